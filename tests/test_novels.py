@@ -1,0 +1,189 @@
+"""Tests for data/novels.py on small synthetic "novels" with a tiny injected byte encoding."""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiktoken
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+if str(DATA_DIR) not in sys.path:
+    sys.path.insert(0, str(DATA_DIR))
+
+import novels  # noqa: E402
+from fineweb import GPT2_PAT_STR, DataError  # noqa: E402
+from shards import BOS, read_shard  # noqa: E402
+
+TRAIN_NAMES = ["Aaa_First_1850", "Bbb_Second_1860", "Zzz_Last_1900"]
+VAL_NAMES = list(novels.VAL_NOVELS)
+EXCLUDED = list(novels.EXCLUDED)
+CHUNK = 200
+
+
+def tiny_byte_encoding():
+    return tiktoken.Encoding(name="tiny-bytes", pat_str=GPT2_PAT_STR,
+                             mergeable_ranks={bytes([i]): i for i in range(256)},
+                             special_tokens={"<|endoftext|>": BOS})
+
+
+def novel_text(name, n_lines=40):
+    """Lines tagged with the novel's name, CRLF endings, BOM, trailing spaces, blank lines."""
+    lines = []
+    for i in range(n_lines):
+        lines.append(f"{name} line {i}: " + "word " * (i % 9) + ("   " if i % 5 == 0 else ""))
+        if i % 7 == 6:
+            lines.append("")
+    return "\ufeff" + "\r\n".join(lines) + "\r\n\r\n"
+
+
+@pytest.fixture
+def novels_src(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for k, name in enumerate(TRAIN_NAMES + VAL_NAMES + EXCLUDED):
+        (src / f"{name}.txt").write_bytes(novel_text(name, 30 + 7 * k).encode("utf-8"))
+    return src
+
+
+def run(src, out, *extra):
+    return novels.main(["--src", str(src), "--out", str(out), "--chunk_chars", str(CHUNK),
+                        "--quiet", *extra], enc=tiny_byte_encoding())
+
+
+def docs_of(path):
+    toks = read_shard(path)
+    assert toks[0] == BOS
+    starts = np.flatnonzero(toks == BOS)
+    return [bytes(p[1:].astype(np.uint8).tolist()).decode("utf-8") for p in np.split(toks, starts[1:])]
+
+
+# --------------------------------------------------------------------------- chunking rule
+
+def test_normalize_text():
+    assert novels.normalize_text("\ufeff\r\n a  \r\nb\t\r\n\r\n\r\nc \r\n\r\n") == "a\nb\n\n\nc"
+
+
+def test_split_documents_rule():
+    lines = [f"{i:02d}" + "x" * 7 for i in range(10)]  # 9 chars + newline = 10 each
+    text = "\n".join(lines)
+    docs = novels.split_documents(text, 30)
+    assert docs == ["\n".join(lines[0:3]), "\n".join(lines[3:6]), "\n".join(lines[6:10])]
+    # last piece (1 line, 9 chars) < 30 // 2 was merged into the previous document
+    assert "\n".join(docs) == text
+    # a long line ends the document it falls in; pieces are stripped, blank ones dropped,
+    # a short last piece is joined to the previous document with a single newline
+    assert novels.split_documents("a\n" + "L" * 100 + "\n\n\nb", 30) == ["a\n" + "L" * 100 + "\nb"]
+    assert novels.split_documents("a\n" + "L" * 100 + "\n\n\n" + "b" * 20, 30) == ["a\n" + "L" * 100,
+                                                                                   "b" * 20]
+    assert novels.split_documents("", 30) == []
+
+
+# --------------------------------------------------------------------------- build
+
+def test_build_is_deterministic(novels_src, tmp_path):
+    m1 = run(novels_src, tmp_path / "o1")
+    m2 = run(novels_src, tmp_path / "o2")
+    assert m1 == m2
+    names = sorted(p.name for p in (tmp_path / "o1").iterdir())
+    assert names == ["manifest.json", "novels_train_000001.bin", "novels_val_000000.bin"]
+    for n in names:
+        assert (tmp_path / "o1" / n).read_bytes() == (tmp_path / "o2" / n).read_bytes(), n
+    # another seed changes the training order only
+    m3 = run(novels_src, tmp_path / "o3", "--seed", "5")
+    assert m3["splits"]["train"]["shards"][0]["sha256"] != m1["splits"]["train"]["shards"][0]["sha256"]
+    assert m3["splits"]["val"]["shards"] == m1["splits"]["val"]["shards"]
+    assert m3["splits"]["train"]["tokens"] == m1["splits"]["train"]["tokens"]
+
+
+def test_splits_bos_and_excluded(novels_src, tmp_path):
+    out = tmp_path / "out"
+    m = run(novels_src, out)
+    train_docs = docs_of(out / "novels_train_000001.bin")
+    val_docs = docs_of(out / "novels_val_000000.bin")
+    # every document starts with BOS and matches the manifest's counts
+    for split, docs in (("train", train_docs), ("val", val_docs)):
+        s = m["splits"][split]
+        assert len(docs) == s["documents"] > len(s["files"])  # several documents per novel
+        assert sum(len(d.encode()) + 1 for d in docs) == s["tokens"]
+        assert all(d and d == d.strip() for d in docs)
+    # held-out novels never in train, and val holds exactly them, in file order
+    assert m["splits"]["val"]["files"] == sorted(VAL_NAMES)
+    assert m["splits"]["train"]["files"] == TRAIN_NAMES
+    for d in train_docs:
+        assert not any(v in d for v in VAL_NAMES)
+    expected_val = [d for name in sorted(VAL_NAMES)
+                    for d in novels.split_documents(novels.normalize_text(novel_text(
+                        name, 30 + 7 * (TRAIN_NAMES + VAL_NAMES).index(name))), CHUNK)]
+    assert val_docs == expected_val
+    # training documents are a shuffle of the training novels' documents
+    expected_train = [d for k, name in enumerate(TRAIN_NAMES)
+                      for d in novels.split_documents(novels.normalize_text(novel_text(name, 30 + 7 * k)), CHUNK)]
+    assert sorted(train_docs) == sorted(expected_train) and train_docs != expected_train
+    # excluded novels appear nowhere
+    for d in train_docs + val_docs:
+        assert not any(x in d for x in EXCLUDED)
+    assert not any(x in json.dumps(m["files"]) for x in EXCLUDED)
+    assert [f["path"] for f in m["files"]] == [f"corpus/{n}.txt" for n in sorted(TRAIN_NAMES + VAL_NAMES)]
+
+
+def test_manifest_sha256_matches_files(novels_src, tmp_path):
+    out = tmp_path / "out"
+    run(novels_src, out)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["source"]["repo"] == "computationalstylistics/100_english_novels"
+    assert m["source"]["commit"] == "143e601875d70e195f2cc5ebd8b034609271194d"
+    for split in ("train", "val"):
+        for s in m["splits"][split]["shards"]:
+            p = out / s["file"]
+            assert hashlib.sha256(p.read_bytes()).hexdigest() == s["sha256"]
+            assert read_shard(p).size == s["tokens"]
+
+
+def test_missing_val_novel_is_one_line_error(novels_src, tmp_path, capsys):
+    (novels_src / "Hardy_Tess_1891.txt").unlink()
+    with pytest.raises(SystemExit) as ei:
+        run(novels_src, tmp_path / "out")
+    assert ei.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Hardy_Tess_1891" in err and "--val" in err
+
+
+def test_bad_src_is_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run(tmp_path / "nope", tmp_path / "out")
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--src" in err
+
+
+def test_download_uses_pinned_commit(tmp_path, monkeypatch):
+    urls = []
+
+    def fake_fetch(url, timeout=60.0):
+        urls.append(url)
+        return novel_text(url.rsplit("/", 1)[1][:-4]).encode("utf-8")
+
+    monkeypatch.setattr(novels, "fetch_url", fake_fetch)
+    texts = novels.download_novels(tmp_path / "raw", names=["Aaa_First_1850", "Hardy_Tess_1891"],
+                                   progress=False)
+    assert urls == [f"https://raw.githubusercontent.com/computationalstylistics/100_english_novels/"
+                    f"143e601875d70e195f2cc5ebd8b034609271194d/corpus/{n}.txt"
+                    for n in ("Aaa_First_1850", "Hardy_Tess_1891")]
+    assert set(texts) == {"Aaa_First_1850", "Hardy_Tess_1891"}
+    novels.download_novels(tmp_path / "raw", names=["Aaa_First_1850"], progress=False)
+    assert len(urls) == 2  # cached file not fetched again
+
+    def offline(url, timeout=60.0):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(novels, "fetch_url", offline)
+    with pytest.raises(DataError, match="--src"):
+        novels.download_novels(tmp_path / "raw2", names=["Aaa_First_1850"], progress=False)
+
+
+def test_novel_list():
+    assert len(novels.NOVELS) == 98 and len(set(novels.NOVELS)) == 98
+    assert not set(novels.EXCLUDED) & set(novels.NOVELS)
+    assert set(novels.VAL_NOVELS) <= set(novels.NOVELS)

@@ -1,0 +1,1699 @@
+"""speedrun: train a GPT-2-small-class model on FineWeb to val loss <= 3.28, fast.
+
+One file on purpose: records copy it verbatim. Sections, in data-flow order:
+config -> FP8 ops -> kernels -> optimizers -> model -> data -> schedules -> training loop -> main().
+Run with `./run.sh` (torchrun over all GPUs) or `python train_gpt.py --preset cpu`.
+Importing this module has no side effects; main() runs only under __main__.
+"""
+
+import argparse
+import concurrent.futures
+import dataclasses
+import glob
+import hashlib
+import io
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+# ----------------------------------------------------------------------------------------------
+# Configuration: one dataclass; CLI flags and presets are generated from it
+
+
+def hp_field(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Hyperparameters:
+    # data
+    train_files: str = hp_field("data/fineweb10B/fineweb_train_*.bin", "glob of training shards (prefixed by $DATA_PATH)")
+    val_files: str = hp_field("data/fineweb10B/fineweb_val_*.bin", "glob of validation shards (prefixed by $DATA_PATH)")
+    synthetic_fallback: bool = hp_field(False, "if no shards match, generate and use the synthetic corpus in data/synthetic/")
+    cycle_data: bool = hp_field(False, "restart from the first training shard when all are used instead of stopping")
+    val_tokens: int = hp_field(10_485_760, "validation tokens (a prefix of the validation shards)")
+    val_batch_size: int = hp_field(2_097_152, "validation tokens per validation step, all ranks together")
+    # model
+    vocab_size: int = hp_field(50257, "tokenizer vocabulary; the embedding is padded to a multiple of 128")
+    num_layers: int = hp_field(11, "transformer blocks")
+    num_heads: int = hp_field(6, "attention heads")
+    head_dim: int = hp_field(128, "dimension per head")
+    model_dim: int = hp_field(768, "residual stream width")
+    # batches and schedules
+    num_scheduled_iterations: int = hp_field(1995, "steps of the scheduled run (thirds set batch size, lr, window)")
+    num_extension_iterations: int = hp_field(40, "extra steps at the final batch size, window and lr 0.1x")
+    batch_sizes: tuple = hp_field((131072, 262144, 393216), "tokens per optimizer step in each third of the run")
+    max_seq_len: int = hp_field(2048, "longest document piece in a training batch")
+    grad_accum_base: int = hp_field(8, "world size with one micro-step per step; fewer ranks accumulate base/world")
+    lr_multipliers: tuple = hp_field((1.0, 1.51, 1.93), "lr multiplier in each third (batch-size ratio ^ 0.6)")
+    cooldown_frac: float = hp_field(0.55, "fraction of scheduled steps over which lr cools down linearly")
+    final_lr_multiplier: float = hp_field(0.1, "lr multiplier at the end of cooldown and during extension")
+    window_block_tokens: int = hp_field(128, "tokens per attention-window block")
+    window_blocks: tuple = hp_field((3, 7, 11), "long attention window (blocks) in each third; short = long // 2")
+    extension_window_blocks: int = hp_field(13, "long window during the extension steps")
+    final_val_window_blocks: int = hp_field(20, "long window for the final validation (no YaRN)")
+    # optimizers
+    muon_lr: float = hp_field(0.023, "NorMuon learning rate")
+    muon_wd: float = hp_field(1.2, "NorMuon cautious weight decay (applied as wd*lr, so it follows lr^2)")
+    muon_momentum: tuple = hp_field((0.85, 0.95), "NorMuon momentum: start/end value of the warm-up")
+    muon_momentum_warmup_steps: int = hp_field(300, "steps of the momentum warm-up")
+    muon_momentum_cooldown_steps: int = hp_field(50, "final steps over which momentum returns to its start value")
+    muon_beta2: float = hp_field(0.95, "NorMuon second-moment decay")
+    adam_lr: float = hp_field(0.008, "DistAdam learning rate")
+    adam_betas: tuple = hp_field((0.65, 0.95), "DistAdam betas")
+    adam_eps: float = hp_field(1e-8, "DistAdam epsilon")
+    adam_wd: float = hp_field(0.005, "DistAdam cautious weight decay")
+    # run
+    seed: int = hp_field(0, "random seed for initialization")
+    val_loss_every: int = hp_field(250, "validate every N steps (0: only at the start and the end)")
+    warmup_steps: int = hp_field(3, "untimed compile warm-up steps per stage, undone afterwards (0: none)")
+    compile: bool = hp_field(True, "torch.compile the model (CUDA only; CPU always runs eager)")
+    fp8: str = hp_field("auto", "FP8 head matmul in training: auto (CUDA, capability >= 8.9), on, off")
+    run_id: str = hp_field("", "name of the log file logs/<run_id>.txt (default: a new uuid)")
+    log_dir: str = hp_field("logs", "folder for logs, profiler traces and checkpoints")
+    save_every: int = hp_field(0, "write a resumable checkpoint every N steps (even N; 0: never)")
+    save_checkpoint: bool = hp_field(False, "write a checkpoint at the end of the run")
+    resume: str = hp_field("", "checkpoint to resume from")
+    force: bool = hp_field(False, "resume even if the checkpoint was written by a different script")
+    profile: str = hp_field("", "START:END steps to record with the PyTorch profiler (Chrome trace next to the log)")
+    cpu_threads: int = hp_field(0, "torch threads per process on CPU (0: cores / local processes)")
+
+
+PRESETS = {
+    "record": {},
+    "cpu": dict(
+        synthetic_fallback=True,
+        val_tokens=65_536,
+        val_batch_size=16_384,
+        num_layers=11,
+        num_heads=2,
+        head_dim=64,
+        model_dim=128,
+        num_scheduled_iterations=300,
+        num_extension_iterations=10,
+        batch_sizes=(4096, 8192, 8192),
+        max_seq_len=512,
+        grad_accum_base=1,
+        window_block_tokens=64,
+        window_blocks=(2, 4, 6),
+        extension_window_blocks=7,
+        final_val_window_blocks=8,
+        muon_momentum_warmup_steps=50,
+        muon_momentum_cooldown_steps=10,
+        val_loss_every=50,
+        warmup_steps=0,
+    ),
+}
+
+
+class ConfigError(ValueError):
+    """A bad flag or combination of flags; main() prints it as one line."""
+
+
+def parse_bool(text):
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def build_arg_parser():
+    parser = argparse.ArgumentParser(
+        prog="train_gpt.py",
+        description="Train the speedrun GPT. Every field of Hyperparameters is a flag; --preset is applied first.",
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="record", help="named configuration (default: record)")
+    for f in fields(Hyperparameters):
+        default = f.default
+        kwargs = dict(default=None, help=f"{f.metadata['help']} (default: {default})")
+        if isinstance(default, bool):
+            kwargs.update(type=parse_bool, metavar="BOOL")
+        elif isinstance(default, tuple):
+            kwargs.update(type=type(default[0]), nargs=len(default) if f.name != "batch_sizes" else "+")
+        else:
+            kwargs.update(type=type(default))
+        parser.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def parse_args(argv=None):
+    """Preset first, then explicit flags. Returns a validated-shape Hyperparameters."""
+    args = build_arg_parser().parse_args(argv)
+    values = dataclasses.asdict(Hyperparameters())
+    values.update(PRESETS[args.preset])
+    for name, value in vars(args).items():
+        if name != "preset" and value is not None:
+            values[name] = tuple(value) if isinstance(value, list) else value
+    hp = Hyperparameters(**values)
+    check_hyperparameters(hp)
+    return hp
+
+
+def check_hyperparameters(hp):
+    positive = ["val_tokens", "val_batch_size", "vocab_size", "num_layers", "num_heads", "head_dim", "model_dim",
+                "num_scheduled_iterations", "max_seq_len", "grad_accum_base", "window_block_tokens",
+                "extension_window_blocks", "final_val_window_blocks"]
+    for name in positive:
+        if getattr(hp, name) <= 0:
+            raise ConfigError(f"--{name} must be positive, got {getattr(hp, name)}")
+    for name in ["num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads",
+                 "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps"]:
+        if getattr(hp, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(hp, name)}")
+    for name in ["batch_sizes", "lr_multipliers", "window_blocks"]:
+        if len(getattr(hp, name)) != 3:
+            raise ConfigError(f"--{name} needs exactly 3 values (one per third of the run), got {getattr(hp, name)}")
+    if min(hp.batch_sizes) <= 0 or min(hp.window_blocks) < 2:
+        raise ConfigError("--batch_sizes must be positive and --window_blocks at least 2 (short window = long // 2)")
+    if hp.val_tokens % hp.val_batch_size:
+        raise ConfigError(f"--val_tokens {hp.val_tokens} must be a multiple of --val_batch_size {hp.val_batch_size}")
+    longest_window = max(*hp.window_blocks, hp.extension_window_blocks) * hp.window_block_tokens
+    if longest_window > hp.max_seq_len:
+        raise ConfigError(f"the longest training window ({longest_window} tokens = --window_blocks/--extension_window_blocks "
+                          f"x --window_block_tokens) exceeds --max_seq_len {hp.max_seq_len}; shrink the window")
+    if hp.save_every % 2:
+        raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
+    if hp.fp8 not in ("auto", "on", "off"):
+        raise ConfigError(f"--fp8 must be auto, on or off, got {hp.fp8!r}")
+    if hp.profile and not _parse_profile_range(hp.profile):
+        raise ConfigError(f"--profile must look like START:END with 0 <= START < END, got {hp.profile!r}")
+    layer_roles(hp.num_layers)  # raises ConfigError for depths without a valid layout
+
+
+def _parse_profile_range(text):
+    try:
+        start, end = (int(v) for v in text.split(":"))
+    except ValueError:
+        return None
+    return (start, end) if 0 <= start < end else None
+
+
+def grad_accum_steps(hp, world_size):
+    """Same tokens per step at any world size: ranks below the base accumulate, above it split."""
+    return hp.grad_accum_base // world_size if hp.grad_accum_base % world_size == 0 else 1
+
+
+def tokens_per_rank(batch_tokens, world_size, accum, what="--batch_sizes"):
+    if batch_tokens % (world_size * accum):
+        raise ConfigError(
+            f"{what} value {batch_tokens} does not split over {world_size} ranks x {accum} accumulation steps; "
+            f"use a multiple of {world_size * accum}")
+    return batch_tokens // (world_size * accum)
+
+# ----------------------------------------------------------------------------------------------
+# FP8 ops: the tied head matmul x @ W.T in float8 with static scales (forward e4m3, backward e5m2)
+
+# Static scales of the record's head: activations up to ~100, weights ~1.5, gradients ~0.75,
+# each divided by 448 (the largest finite float8_e4m3fn value) so they use the full e4m3 range.
+HEAD_FP8_SCALES = (100 / 448, 1.5 / 448, 0.75 / 448)
+
+
+def _scale(value, like):
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+@torch.library.custom_op("speedrun::mm_fp8", mutates_args=())
+def mm_fp8(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x (M, K) @ w (N, K).T -> bf16 (M, N); also returns the float8 casts saved for backward."""
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16,
+                           scale_a=_scale(x_s, x), scale_b=_scale(w_s, x), use_fast_accum=True)
+    return out, x_f8, w_f8
+
+
+@mm_fp8.register_fake
+def _(x, w, x_s, w_s, grad_s):
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16), torch.empty_like(x, dtype=torch.float8_e4m3fn), \
+        torch.empty_like(w, dtype=torch.float8_e4m3fn)
+
+
+@torch.library.custom_op("speedrun::mm_fp8_backward", mutates_args=())
+def mm_fp8_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    """grad_x = g @ w (bf16), grad_w = g.T @ x (fp32), with g cast to float8_e5m2."""
+    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+    # _scaled_mm wants its first operand row-major and its second column-major.
+    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
+                              scale_a=_scale(grad_s, g), scale_b=_scale(w_s, g), use_fast_accum=False)
+    grad_w = torch._scaled_mm(g_f8.T.contiguous(), x_f8.T.contiguous().T, out_dtype=torch.float32,
+                              scale_a=_scale(grad_s, g), scale_b=_scale(x_s, g), use_fast_accum=False)
+    return grad_x, grad_w
+
+
+@mm_fp8_backward.register_fake
+def _(g, x_f8, w_f8, x_s, w_s, grad_s):
+    return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32)
+
+
+def _mm_fp8_setup_context(ctx, inputs, output):
+    x, w, x_s, w_s, grad_s = inputs
+    ctx.save_for_backward(output[1], output[2])
+    ctx.scales = (x_s, w_s, grad_s)
+    ctx.w_dtype = w.dtype
+
+
+def _mm_fp8_backward(ctx, grad_out, *_):
+    x_f8, w_f8 = ctx.saved_tensors
+    grad_x, grad_w = mm_fp8_backward(grad_out.contiguous(), x_f8, w_f8, *ctx.scales)
+    return grad_x, grad_w.to(ctx.w_dtype), None, None, None
+
+
+mm_fp8.register_autograd(_mm_fp8_backward, setup_context=_mm_fp8_setup_context)
+
+
+def fp8_supported(device):
+    """FP8 tensor cores exist from compute capability 8.9 (Ada, Hopper) on."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class ChunkedSoftcapLoss(torch.autograd.Function):
+    """Summed cross-entropy of softcapped logits 30*sigmoid(x @ w.T / 7.5), a few rows at a time,
+    with the gradients formed during the forward pass: no (tokens, vocab) tensor outlives one chunk.
+    Used on CPU, where eager elementwise passes over the full logits dominate the step time;
+    on GPU the compiled graph fuses the same math."""
+
+    CHUNK = 256
+
+    @staticmethod
+    def forward(ctx, x, w, targets):
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros_like(w)
+        total = x.new_zeros((), dtype=torch.float32)
+        for start in range(0, x.size(0), ChunkedSoftcapLoss.CHUNK):
+            xc, tc = x[start: start + ChunkedSoftcapLoss.CHUNK], targets[start: start + ChunkedSoftcapLoss.CHUNK]
+            rows = torch.arange(tc.numel(), device=x.device)
+            sig = torch.sigmoid_((xc @ w.T).float().div_(7.5))
+            logits = sig * 30
+            lse = torch.logsumexp(logits, dim=1)
+            total += (lse - logits[rows, tc]).sum()
+            probs = logits.sub_(lse[:, None]).exp_()
+            probs[rows, tc] -= 1
+            probs.mul_(sig.addcmul_(sig, sig, value=-1).mul_(4))  # d(30*sigmoid(z/7.5))/dz = 4*s*(1-s)
+            grad_x[start: start + ChunkedSoftcapLoss.CHUNK] = (probs @ w.float()).to(x.dtype)
+            grad_w += (probs.T @ xc.float()).to(w.dtype)
+        ctx.save_for_backward(grad_x, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_total, grad_w * grad_total, None
+
+
+def head_matmul(x, w, use_fp8):
+    """Logits x @ w.T of the tied head; FP8 in training where enabled, plain matmul otherwise."""
+    if use_fp8:
+        flat = x.reshape(-1, x.shape[-1])
+        return mm_fp8(flat.to(torch.bfloat16), w, *HEAD_FP8_SCALES)[0].view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w.type_as(x))
+
+# ----------------------------------------------------------------------------------------------
+# Kernels: Polar Express orthogonalization with symmetric-product Triton kernels (torch elsewhere)
+
+def xxt_torch(X, out=None):
+    """X @ X.mT for (m, n) or (batch, m, n)."""
+    return torch.matmul(X, X.mT, out=out)
+
+
+def ba_plus_caa_torch(A, b, c, out=None):
+    """b*A + c*(A @ A) for symmetric (m, m) or (batch, m, m)."""
+    addmm = torch.baddbmm if A.ndim == 3 else torch.addmm
+    # A.mT == A; the transposed view takes oneDNN's fast bf16 path on CPUs without
+    # native bf16 (the plain A @ A layout is ~10x slower there); free on GPU
+    return addmm(A, A.mT, A, beta=b, alpha=c, out=out)
+
+
+# Both outputs are symmetric ((XXᵀ)ᵀ = XXᵀ; A = Aᵀ ⇒ (A·A)ᵀ = A·A), so each kernel
+# computes only the output blocks (i, j) with i >= j and stores every off-diagonal
+# block a second time, transposed, at (j, i): ~half the FLOPs of a full matmul.
+SYM_BLOCK, SYM_BLOCK_K, SYM_WARPS = 128, 64, 8  # H100-sized tiles; legal for the interpreter
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _lower_tri_block(pid):
+        # linear pid -> (i, j), i >= j, row by row over the lower triangle of blocks;
+        # the float sqrt guess is corrected by one step either way
+        i = ((tl.sqrt((8 * pid + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+        i = tl.where(i * (i + 1) // 2 > pid, i - 1, i)
+        i = tl.where((i + 1) * (i + 2) // 2 <= pid, i + 1, i)
+        return i, pid - i * (i + 1) // 2
+
+    @triton.jit
+    def _store_symmetric(C, acc, rm, rn, pid_m, pid_n, M, s_cm, s_cn):
+        acc = acc.to(C.dtype.element_ty)
+        mask = (rm[:, None] < M) & (rn[None, :] < M)
+        tl.store(C + rm[:, None] * s_cm + rn[None, :] * s_cn, acc, mask=mask)
+        if pid_m != pid_n:  # mirror; the diagonal block is written once (deterministic)
+            mask_t = (rn[:, None] < M) & (rm[None, :] < M)
+            tl.store(C + rn[:, None] * s_cm + rm[None, :] * s_cn, tl.trans(acc), mask=mask_t)
+
+    @triton.jit
+    def _xxt_kernel(X, C, M, K, s_xb, s_xm, s_xk, s_cb, s_cm, s_cn,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m, pid_n = _lower_tri_block(tl.program_id(0))
+        batch = tl.program_id(1).to(tl.int64)
+        X += batch * s_xb
+        C += batch * s_cb
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            x_m = tl.load(X + rm[:, None] * s_xm + kk[None, :] * s_xk,
+                          mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            x_n = tl.load(X + rn[:, None] * s_xm + kk[None, :] * s_xk,
+                          mask=(rn[:, None] < M) & (kk[None, :] < K), other=0.0)
+            acc = tl.dot(x_m, tl.trans(x_n), acc)
+        _store_symmetric(C, acc, rm, rn, pid_m, pid_n, M, s_cm, s_cn)
+
+    @triton.jit
+    def _ba_plus_caa_kernel(A, C, M, b, c, s_ab, s_am, s_an, s_cb, s_cm, s_cn,
+                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m, pid_n = _lower_tri_block(tl.program_id(0))
+        batch = tl.program_id(1).to(tl.int64)
+        A += batch * s_ab
+        C += batch * s_cb
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, M, BLOCK_K):
+            kk = k0 + rk
+            a_mk = tl.load(A + rm[:, None] * s_am + kk[None, :] * s_an,
+                           mask=(rm[:, None] < M) & (kk[None, :] < M), other=0.0)
+            a_kn = tl.load(A + kk[:, None] * s_am + rn[None, :] * s_an,
+                           mask=(kk[:, None] < M) & (rn[None, :] < M), other=0.0)
+            acc = tl.dot(a_mk, a_kn, acc)
+        a_mn = tl.load(A + rm[:, None] * s_am + rn[None, :] * s_an,
+                       mask=(rm[:, None] < M) & (rn[None, :] < M), other=0.0)
+        acc = b * a_mn.to(tl.float32) + c * acc
+        _store_symmetric(C, acc, rm, rn, pid_m, pid_n, M, s_cm, s_cn)
+
+
+def _sym_launch(kernel, inp, out, *args, num_stages):
+    """Launch a lower-triangle kernel on (m, k) / (batch, m, k) input, output (.., m, m)."""
+    assert inp.ndim in (2, 3), f"expected a 2D or 3D tensor, got shape {tuple(inp.shape)}"
+    M = inp.size(-2)
+    if out is None:
+        out = inp.new_empty(*inp.shape[:-1], M)
+    x3, o3 = (inp, out) if inp.ndim == 3 else (inp.unsqueeze(0), out.unsqueeze(0))
+    nb = triton.cdiv(M, SYM_BLOCK)
+    grid = (nb * (nb + 1) // 2, x3.size(0))
+    kernel[grid](x3, o3, M, *args, *x3.stride(), *o3.stride(), BLOCK_M=SYM_BLOCK,
+                 BLOCK_K=SYM_BLOCK_K, num_warps=SYM_WARPS, num_stages=num_stages)
+    return out
+
+
+def xxt_triton(X, out=None):
+    """X @ X.mT via Triton (one triangle computed, mirrored); fp32 accumulation."""
+    return _sym_launch(_xxt_kernel, X, out, X.size(-1), num_stages=4)
+
+
+def ba_plus_caa_triton(A, b, c, out=None):
+    """b*A + c*(A @ A) for symmetric A via Triton (one triangle computed, mirrored)."""
+    assert A.size(-1) == A.size(-2), f"A must be square, got shape {tuple(A.shape)}"
+    return _sym_launch(_ba_plus_caa_kernel, A, out, float(b), float(c), num_stages=3)
+
+
+# Polar Express per-step (a, b, c): X <- a X + (b A + c A²) X with A = X Xᵀ
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def polar_express(G, use_triton=None, dtype=torch.bfloat16):
+    """Approximate orthogonalization (polar factor) of G (..., m, n); returns `dtype`."""
+    if use_triton is None:
+        use_triton = HAS_TRITON and G.is_cuda
+    xxt, ba_plus_caa = (xxt_triton, ba_plus_caa_triton) if use_triton else (xxt_torch, ba_plus_caa_torch)
+    tall = G.size(-2) > G.size(-1)
+    if tall:  # work on the wide side so the Gram matrix A is the smaller one
+        G = G.mT
+    lead, (m, n) = G.shape[:-2], G.shape[-2:]
+    X = G.reshape(-1, m, n).to(dtype, memory_format=torch.contiguous_format)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    A, B, Y = X.new_empty(X.size(0), m, m), X.new_empty(X.size(0), m, m), torch.empty_like(X)
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        xxt(X, out=A)
+        ba_plus_caa(A, b, c, out=B)
+        torch.baddbmm(X, B.mT, X, beta=a, out=Y)  # a·X + B·X in one call (B.mT == B, see above)
+        X, Y = Y, X
+    X = X.reshape(*lead, m, n)
+    return X.mT if tall else X
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizers: NorMuon (hidden matrices, gates) and sharded DistAdam (embeddings, head, scalars)
+
+
+def dist_ready():
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_info():
+    return (dist.get_rank(), dist.get_world_size()) if dist_ready() else (0, 1)
+
+
+class NorMuon:
+    """Momentum -> Polar Express -> per-row/column variance normalization -> cautious decoupled decay.
+
+    Parameters of one shape are stacked; each rank owns a contiguous chunk of the stack (zero-padded
+    so the chunks are equal), receives its gradients by reduce-scatter, updates them, and all-gathers
+    the new weights. Groups are issued smallest first so their communication overlaps later compute.
+    """
+
+    def __init__(self, params, lr, weight_decay, momentum, beta2=0.95):
+        self.rank, self.world_size = world_info()
+        by_shape = {}
+        for p in params:
+            by_shape.setdefault(tuple(p.shape), []).append(p)
+        self.param_groups = []
+        for shape, group_params in sorted(by_shape.items(), key=lambda kv: math.prod(kv[0]) * len(kv[1])):
+            chunk = -(-len(group_params) // self.world_size)
+            rows, cols = shape
+            is_gate = group_params[0].label == "gate"
+            if any((q.label == "gate") != is_gate for q in group_params):
+                raise ValueError(f"NorMuon: gates and matrices share the shape {shape}; give them different shapes")
+            # NorMuon normalizes per row for tall/square matrices and gates, per column for wide matrices.
+            reduce_dim = -1 if rows >= cols or is_gate else -2
+            self.param_groups.append(dict(
+                params=group_params, lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2,
+                chunk=chunk, reduce_dim=reduce_dim,
+                shape_mult=math.sqrt(max(1.0, rows / cols)),
+                lr_mul=torch.tensor([q.lr_mul for q in group_params] + [0.0] * (chunk * self.world_size - len(group_params))),
+                wd_mul=torch.tensor([q.wd_mul for q in group_params] + [0.0] * (chunk * self.world_size - len(group_params))),
+                momentum_buffer=None, second_moment=None))
+
+    def zero_grad(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def _owned(self, group):
+        """Global indices [start, stop) of this rank's chunk and how many of them are real parameters."""
+        start = self.rank * group["chunk"]
+        return start, start + group["chunk"], max(0, min(len(group["params"]), start + group["chunk"]) - start)
+
+    def _stack(self, tensors, group, dtype):
+        shape = group["params"][0].shape
+        out = torch.zeros(group["chunk"] * self.world_size, *shape, dtype=dtype, device=tensors[0].device)
+        torch.stack(tensors, out=out[: len(tensors)])
+        return out
+
+    @torch.no_grad()
+    def step(self):
+        pending = []
+        for group in self.param_groups:
+            grads = self._stack([p.grad.float() for p in group["params"]], group, torch.float32)
+            if self.world_size > 1:
+                local = grads.new_empty(group["chunk"], *grads.shape[1:])
+                handle = dist.reduce_scatter_tensor(local, grads, op=dist.ReduceOp.AVG, async_op=True)
+            else:
+                local, handle = grads, None
+            pending.append((group, local, handle))
+        gathers = []
+        for group, local, handle in pending:
+            if handle is not None:
+                handle.wait()
+            new_weights = self._update_chunk(group, local)
+            if self.world_size > 1:
+                full = new_weights.new_empty(group["chunk"] * self.world_size, *new_weights.shape[1:])
+                gathers.append((group, full, dist.all_gather_into_tensor(full, new_weights, async_op=True)))
+            else:
+                gathers.append((group, new_weights, None))
+        for group, full, handle in gathers:
+            if handle is not None:
+                handle.wait()
+            for p, new in zip(group["params"], full):
+                p.copy_(new)
+
+    def _update_chunk(self, group, grad):
+        """Steps 1-5 of NorMuon on this rank's chunk; returns the chunk's new weights."""
+        start, stop, n_real = self._owned(group)
+        params = group["params"][start: start + n_real]
+        device = grad.device
+        if group["momentum_buffer"] is None:
+            group["momentum_buffer"] = torch.zeros_like(grad)
+            moment_shape = list(grad.shape)
+            moment_shape[group["reduce_dim"]] = 1
+            group["second_moment"] = torch.zeros(moment_shape, dtype=torch.float32, device=device)
+        mu = group["momentum"]
+        buf = group["momentum_buffer"]
+        buf.lerp_(grad, 1 - mu)
+        nesterov = grad.lerp(buf, mu)
+        update = orthogonalize_stack(nesterov, [p.label for p in params]).float()
+        update = normalize_variance(update, group["second_moment"], group["reduce_dim"], group["beta2"])
+        weights = torch.zeros_like(grad)
+        if n_real:
+            torch.stack([p.float() for p in params], out=weights[:n_real])
+        lr = group["lr"]
+        eta = (lr * group["shape_mult"] * group["lr_mul"][start:stop]).to(device).view(-1, 1, 1)
+        decay = (group["weight_decay"] * lr * group["wd_mul"][start:stop]).to(device).view(-1, 1, 1)
+        mask = (update * weights) >= 0
+        weights.sub_(eta * decay * mask * weights + eta * update)
+        return weights.to(group["params"][0].dtype)
+
+    def state_dict(self):
+        """Full (un-sharded) state, identical on every rank; collective when distributed."""
+        groups = []
+        for group in self.param_groups:
+            entry = {}
+            for key in ("momentum_buffer", "second_moment"):
+                local = group[key]
+                if local is None:
+                    entry[key] = None
+                    continue
+                full = gather_chunks(local, self.world_size)
+                entry[key] = full[: len(group["params"])].cpu().clone()
+            groups.append(entry)
+        return {"groups": groups}
+
+    def load_state_dict(self, state):
+        if len(state["groups"]) != len(self.param_groups):
+            raise ValueError("NorMuon state does not match the parameter groups of this model")
+        for group, entry in zip(self.param_groups, state["groups"]):
+            start, stop, n_real = self._owned(group)
+            device = group["params"][0].device
+            for key in ("momentum_buffer", "second_moment"):
+                full = entry[key]
+                if full is None:
+                    group[key] = None
+                    continue
+                local = torch.zeros(group["chunk"], *full.shape[1:], dtype=full.dtype, device=device)
+                local[:n_real] = full[start: start + n_real].to(device)
+                group[key] = local
+
+
+def gather_chunks(local, world_size):
+    if world_size == 1:
+        return local
+    full = local.new_empty(local.shape[0] * world_size, *local.shape[1:])
+    dist.all_gather_into_tensor(full, local.contiguous())
+    return full
+
+
+def orthogonalize_stack(stack, labels):
+    """Polar Express on each matrix of the stack; merged attention weights split into Q, K, V, O.
+    bf16 on GPU; fp32 on CPU, where bf16 matmuls without native support are ~20x slower."""
+    dtype = torch.bfloat16 if stack.is_cuda else torch.float32
+    out = torch.zeros_like(stack, dtype=dtype)
+    n = len(labels)
+    if n == 0:
+        return out
+    attn = [i for i, label in enumerate(labels) if label == "attn"]
+    other = [i for i, label in enumerate(labels) if label != "attn"]
+    if attn:
+        rows, cols = stack.shape[1:]
+        pieces = stack[attn].view(len(attn) * 4, rows // 4, cols)
+        out[attn] = polar_express(pieces, dtype=dtype).view(len(attn), rows, cols)
+    if other:
+        out[other] = polar_express(stack[other], dtype=dtype)
+    return out
+
+
+def normalize_variance(update, second_moment, reduce_dim, beta2):
+    """NorMuon: divide by a running RMS along one axis, then restore each matrix's Frobenius norm."""
+    second_moment.lerp_(update.square().mean(dim=reduce_dim, keepdim=True), 1 - beta2)
+    scaled = update * second_moment.clamp_min(1e-10).rsqrt()
+    norm_before = update.norm(dim=(-2, -1), keepdim=True)
+    norm_after = scaled.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10)
+    return scaled * (norm_before / norm_after)
+
+
+class DistAdam:
+    """ZeRO-1 Adam: each rank keeps bf16 moments for its slice of dim 0 of every parameter.
+
+    A post-accumulate-grad hook starts an async reduce-scatter (AVG) as soon as a gradient is final,
+    but only when `sync_grads` is set (the last micro-step of a step that will update). step() waits,
+    updates the local slice and all-gathers it back into the full parameter.
+    """
+
+    def __init__(self, params, lr, betas, eps, weight_decay):
+        self.rank, self.world_size = world_info()
+        self.sync_grads = False
+        self.param_groups = []
+        self._pending = {}
+        for p in params:
+            if p.shape[0] % self.world_size:
+                raise ValueError(
+                    f"DistAdam: the first dimension of {p.label} ({p.shape[0]}) does not divide by the world size "
+                    f"{self.world_size}; pad it (the vocabulary is padded to a multiple of 128)")
+            self.param_groups.append(dict(params=[p], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                          step=0, exp_avg=None, exp_avg_sq=None))
+            p.register_post_accumulate_grad_hook(self._launch_reduce)
+
+    def zero_grad(self):
+        for group in self.param_groups:
+            group["params"][0].grad = None
+
+    def _slice(self, t):
+        rows = t.shape[0] // self.world_size
+        return t[self.rank * rows: (self.rank + 1) * rows]
+
+    def _launch_reduce(self, p):
+        if not self.sync_grads or self.world_size == 1:
+            return
+        grad = p.grad.contiguous()
+        local = grad.new_empty(grad.shape[0] // self.world_size, *grad.shape[1:])
+        self._pending[p] = (local, dist.reduce_scatter_tensor(local, grad, op=dist.ReduceOp.AVG, async_op=True))
+
+    @torch.no_grad()
+    def step(self):
+        gathers = []
+        for group in self.param_groups:
+            p = group["params"][0]
+            if self.world_size > 1:
+                if p not in self._pending:
+                    raise RuntimeError("DistAdam.step() without reduced gradients: set sync_grads before the last backward")
+                grad, handle = self._pending.pop(p)
+                handle.wait()
+            else:
+                grad = p.grad
+            shard = self._slice(p)
+            new_shard = self._adam_update(group, grad.float(), shard.float(), p)
+            if self.world_size > 1:
+                gathers.append(dist.all_gather_into_tensor(p, new_shard.to(p.dtype), async_op=True))
+            else:
+                shard.copy_(new_shard)
+        for handle in gathers:
+            handle.wait()
+
+    def _adam_update(self, group, grad, weight, p):
+        beta1, beta2 = group["betas"]
+        if group["exp_avg"] is None:
+            group["exp_avg"] = torch.zeros_like(weight, dtype=torch.bfloat16)
+            group["exp_avg_sq"] = torch.zeros_like(weight, dtype=torch.bfloat16)
+        group["step"] += 1
+        exp_avg = group["exp_avg"].float().lerp_(grad, 1 - beta1)
+        exp_avg_sq = group["exp_avg_sq"].float().lerp_(grad.square(), 1 - beta2)
+        group["exp_avg"].copy_(exp_avg)
+        group["exp_avg_sq"].copy_(exp_avg_sq)
+        step = group["step"]
+        update = (exp_avg / (1 - beta1 ** step)) / ((exp_avg_sq / (1 - beta2 ** step)).sqrt() + group["eps"])
+        lr = group["lr"]
+        eta = lr * p.lr_mul
+        mask = (update * weight) >= 0
+        return weight - eta * (group["weight_decay"] * p.wd_mul * lr) * mask * weight - eta * update
+
+    def state_dict(self):
+        """Full moments (all ranks' slices gathered); collective when distributed."""
+        groups = []
+        for group in self.param_groups:
+            entry = {"step": group["step"]}
+            for key in ("exp_avg", "exp_avg_sq"):
+                entry[key] = None if group[key] is None else gather_chunks(group[key], self.world_size).cpu().clone()
+            groups.append(entry)
+        return {"groups": groups}
+
+    def load_state_dict(self, state):
+        if len(state["groups"]) != len(self.param_groups):
+            raise ValueError("DistAdam state does not match the parameters of this model")
+        for group, entry in zip(self.param_groups, state["groups"]):
+            group["step"] = entry["step"]
+            device = group["params"][0].device
+            for key in ("exp_avg", "exp_avg_sq"):
+                group[key] = None if entry[key] is None else self._slice(entry[key]).to(device).clone()
+
+# ----------------------------------------------------------------------------------------------
+# Model: tied embedding/head, value embeddings, smear gate, sliding-window attention, ReLU^2 MLP
+
+BOS_ID = 50256
+GATE_INPUTS = 12  # the smear and attention gates read the first 12 channels of their input
+ATTN_BLOCK = 128  # FlexAttention tile size (tokens)
+
+
+def norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def tag(p, label, lr_mul=1.0, wd_mul=1.0):
+    """Attach what the optimizers need to know about a parameter."""
+    p.label, p.lr_mul, p.wd_mul = label, lr_mul, wd_mul
+    return p
+
+
+@dataclass(frozen=True)
+class LayerRoles:
+    attn_free: int  # layer without attention; also where the U-net skip lands
+    skip_source: int  # its output is added back before attn_free
+    backout: int  # its output is partly subtracted before the final norm
+    long_window: tuple  # layers with the long window (and the key shift)
+    value_embed: dict  # layer -> value-embedding table
+
+
+def layer_roles(num_layers):
+    """The 11-layer layout (skip 3->6, no attention in 6, backout 7, long windows 3 and 10,
+    value embeddings `. 1 2 ... 0 1 2`) expressed relative to the depth."""
+    attn_free = num_layers // 2 + 1
+    skip_source = attn_free - 3
+    backout = attn_free + 1
+    value_embed = {0: 1, 1: 2, num_layers - 3: 0, num_layers - 2: 1, num_layers - 1: 2}
+    if skip_source < 0 or backout > num_layers - 1 or len(value_embed) != 5 or attn_free in value_embed:
+        raise ConfigError(f"--num_layers {num_layers}: the layer roles (skip, backout, value embeddings, attention-free "
+                          f"layer) need at least 9 layers")
+    return LayerRoles(attn_free, skip_source, backout, (skip_source, num_layers - 1), value_embed)
+
+
+class Rotary(nn.Module):
+    """Half-truncated RoPE: head_dim/4 frequencies rotate, the other head_dim/4 pairs are position-free.
+    Also owns the softmax scale, since YaRN changes both together."""
+
+    INITIAL_ATTN_SCALE = 0.1
+
+    def __init__(self, head_dim):
+        super().__init__()
+        quarter = head_dim // 4
+        freqs = torch.cat([(1 / 1024) ** torch.linspace(0, 1, quarter), torch.zeros(quarter)])
+        self.register_buffer("initial_freqs", freqs, persistent=False)
+        self.register_buffer("freqs", freqs.clone())
+        self.register_buffer("attn_scale", torch.tensor(self.INITIAL_ATTN_SCALE))
+
+    @torch.no_grad()
+    def reset(self):
+        self.freqs.copy_(self.initial_freqs)
+        self.attn_scale.fill_(self.INITIAL_ATTN_SCALE)
+
+    @torch.no_grad()
+    def extend_window(self, old_tokens, new_tokens):
+        """YaRN: slow frequencies (fewer than 1 turn over the old window) scale by old/new, fast ones
+        (32+ turns) stay, linear in between; the softmax scale grows by 0.2*ln(new/old) + 1."""
+        s = old_tokens / new_tokens
+        rotations = old_tokens * self.freqs / (2 * math.pi)
+        interp = ((rotations - 1) / (32 - 1)).clamp(0, 1)
+        self.freqs.mul_(s + interp * (1 - s))
+        self.attn_scale.mul_(0.2 * math.log(new_tokens / old_tokens) + 1)
+
+    def cos_sin(self, seq_len):
+        theta = torch.arange(seq_len, device=self.freqs.device, dtype=torch.float32)[:, None] * self.freqs[None, :]
+        return theta.cos()[:, None, :], theta.sin()[:, None, :]
+
+
+def apply_rotary(x, cos_sin):
+    cos, sin = cos_sin
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
+
+
+def shift_keys(k, same_doc_as_prev):
+    """On the position-free dims, key t takes key t-1 (within a document): one layer can then
+    match 'the token after X', i.e. an induction head."""
+    head_dim = k.size(-1)
+    prev = torch.cat([k[:1], k[:-1]])
+    shifted = torch.where(same_doc_as_prev[:, None, None], prev, k)
+    free = torch.zeros(head_dim, dtype=torch.bool, device=k.device)
+    free[head_dim // 4: head_dim // 2] = True
+    free[3 * head_dim // 4:] = True
+    return torch.where(free, shifted, k)
+
+
+def document_ids(cu_seqlens, seq_len):
+    """Document index of every position from padded cumulative boundaries [0, b1, ..., T, T, ...]."""
+    positions = torch.arange(seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens, positions, right=True) - 1
+
+
+def sliding_document_mask(docs, window_tokens):
+    """BlockMask for causal attention inside documents over the last `window_tokens` positions.
+    Built from per-tile document ranges, so nothing of size T x T is materialized."""
+    seq_len = docs.numel()
+    n_blocks = -(-seq_len // ATTN_BLOCK)
+    padded = torch.cat([docs, (docs[-1:] + 1).expand(n_blocks * ATTN_BLOCK - seq_len)])
+    tiles = padded.view(n_blocks, ATTN_BLOCK)
+    first, last = tiles[:, 0], tiles[:, -1]
+    q = torch.arange(n_blocks, device=docs.device)[:, None]
+    k = torch.arange(n_blocks, device=docs.device)[None, :]
+    gap = (q - k) * ATTN_BLOCK
+    any_allowed = (k <= q) & (gap - (ATTN_BLOCK - 1) < window_tokens) & (last[k] >= first[q])
+    all_allowed = (k < q) & (gap + (ATTN_BLOCK - 1) < window_tokens) & (first[q] == last[k]) & (first[k] == last[q])
+    partial = any_allowed & ~all_allowed
+
+    def as_indices(m):
+        counts = m.sum(dim=-1, dtype=torch.int32)
+        order = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts[None, None].contiguous(), order[None, None].contiguous()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window_tokens) & (padded[q_idx] == padded[kv_idx])
+
+    return BlockMask.from_kv_blocks(*as_indices(partial), *as_indices(all_allowed), BLOCK_SIZE=ATTN_BLOCK,
+                                    mask_mod=mask_mod, seq_lengths=(seq_len, seq_len))
+
+
+def local_window_mask(docs, window_tokens):
+    """For the CPU path (FlexAttention has no CPU backward): queries in tiles of ATTN_BLOCK, each tile
+    sees the window_tokens - 1 keys before it plus itself; returns (tile mask, keys looked back)."""
+    seq_len = docs.numel()
+    n_tiles = -(-seq_len // ATTN_BLOCK)
+    lookback = min(window_tokens - 1, seq_len)
+    # Padding positions get one extra document id, so every query row has at least itself unmasked.
+    padded = torch.cat([docs, (docs[-1:] + 1).expand(n_tiles * ATTN_BLOCK - seq_len)])
+    q_pos = torch.arange(n_tiles * ATTN_BLOCK, device=docs.device).view(n_tiles, ATTN_BLOCK, 1)
+    k_pos = (torch.arange(n_tiles, device=docs.device)[:, None] * ATTN_BLOCK - lookback
+             + torch.arange(lookback + ATTN_BLOCK, device=docs.device)[None, :])[:, None, :]
+    k_doc = padded[k_pos.clamp_min(0)]
+    allowed = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos - k_pos < window_tokens) & (padded[q_pos] == k_doc)
+    return allowed[:, None], lookback
+
+
+def local_window_attention(q, k, v, mask):
+    """q, k, v (T, H, D) -> (T, H, D) with the tiles of local_window_mask, via one batched SDPA."""
+    allowed, lookback = mask
+    seq_len, n_tiles = q.size(0), allowed.size(0)
+    tail = n_tiles * ATTN_BLOCK - seq_len
+
+    def windows(t):  # (T, H, D) -> (tiles, H, lookback + ATTN_BLOCK, D)
+        t = F.pad(t, (0, 0, 0, 0, lookback, tail))
+        return t.unfold(0, lookback + ATTN_BLOCK, ATTN_BLOCK).permute(0, 1, 3, 2)
+
+    q_tiles = F.pad(q, (0, 0, 0, 0, 0, tail)).view(n_tiles, ATTN_BLOCK, *q.shape[1:]).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q_tiles, windows(k), windows(v), attn_mask=allowed, scale=1.0)
+    return y.transpose(1, 2).reshape(n_tiles * ATTN_BLOCK, *q.shape[1:])[:seq_len]
+
+
+def attention_mask(docs, window_tokens, backend):
+    return sliding_document_mask(docs, window_tokens) if backend == "flex" else local_window_mask(docs, window_tokens)
+
+
+def attend(q, k, v, mask, backend):
+    """Causal, in-document, sliding-window attention of (T, H, D) tensors; softmax scale already in q."""
+    if backend == "flex":
+        return flex_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=mask, scale=1.0)[0].transpose(0, 1)
+    return local_window_attention(q, k, v, mask)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, num_heads, head_dim):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        hdim = num_heads * head_dim
+        bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
+        # Q, K, V and O in one (4*hdim, dim) matrix so it stacks with the MLP weights in NorMuon;
+        # O is stored transposed (used as y @ W_o).
+        qkvo = torch.empty(4 * hdim, dim).uniform_(-bound, bound)
+        qkvo[3 * hdim:].zero_()
+        self.qkvo_w = tag(nn.Parameter(qkvo), "attn")
+        self.gate_w = tag(nn.Parameter(torch.zeros(num_heads, GATE_INPUTS)), "gate")
+
+    def forward(self, x, lambdas, ve, mask, backend, cos_sin, attn_scale, same_doc_as_prev, key_shift):
+        seq_len, hdim = x.size(0), self.num_heads * self.head_dim
+        w = self.qkvo_w.type_as(x)
+        q, k, v = (F.linear(x, w[: 3 * hdim]) * lambdas[0]).view(seq_len, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = apply_rotary(norm(q), cos_sin), apply_rotary(norm(k), cos_sin)
+        if key_shift:
+            k = shift_keys(k, same_doc_as_prev)
+        if ve is not None:
+            v = v + ve.view_as(v)
+        q = q * attn_scale.to(q.dtype)  # scale applied here (not via flex's float arg) so YaRN never recompiles
+        y = attend(q, k, v, mask, backend)
+        y = y * torch.sigmoid(F.linear(x[:, :GATE_INPUTS], self.gate_w.type_as(x)))[..., None]
+        return (y.reshape(seq_len, hdim) @ w[3 * hdim:]) * lambdas[1]
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
+        self.fc_w = tag(nn.Parameter(torch.empty(hidden, dim).uniform_(-bound, bound)), "mlp")
+        # Stored (hidden, dim) like fc_w so both stack with the attention weights.
+        self.proj_w = tag(nn.Parameter(torch.zeros(hidden, dim)), "mlp", lr_mul=2.0)
+
+    def forward(self, x):
+        return F.relu(F.linear(x, self.fc_w.type_as(x))).square() @ self.proj_w.type_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, num_heads, head_dim, has_attn):
+        super().__init__()
+        self.attn = Attention(dim, num_heads, head_dim) if has_attn else None
+        self.mlp = MLP(dim, 4 * dim)
+
+    def forward(self, x, attn_args):
+        if self.attn is not None:
+            x = x + self.attn(norm(x), **attn_args)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, world_size=1, window_block_tokens=128):
+        super().__init__()
+        self.roles = layer_roles(num_layers)
+        self.num_layers = num_layers
+        self.window_block_tokens = window_block_tokens
+        self.use_fp8 = False
+        self.attention_backend = "local"  # "flex" on CUDA (set by build_model); FlexAttention has no CPU backward
+        self.fused_cpu_loss = True  # ChunkedSoftcapLoss in training; build_model turns it off on CUDA
+        padded_vocab = -(-vocab_size // 128) * 128
+        hdim = num_heads * head_dim
+        self.lm_head = nn.Linear(model_dim, padded_vocab, bias=False)
+        nn.init.normal_(self.lm_head.weight, std=0.005)
+        tag(self.lm_head.weight, "lm_head")  # also the input embedding table (tied)
+        self.value_embeds = nn.ParameterList(
+            [tag(nn.Parameter(torch.zeros(padded_vocab, hdim)), "value_embed", lr_mul=75.0) for _ in range(3)])
+        self.smear_gate_w = tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "gate")
+        self.blocks = nn.ModuleList(
+            [Block(model_dim, num_heads, head_dim, has_attn=i != self.roles.attn_free) for i in range(num_layers)])
+        self.rotary = Rotary(head_dim)
+        self.scalars = tag(nn.Parameter(initial_scalars(num_layers, world_size)), "scalars", lr_mul=5.0, wd_mul=0.0)
+
+    def scalar_views(self):
+        """Named views into the flat `scalars` parameter (layout of initial_scalars)."""
+        n, s = self.num_layers, self.scalars
+        return dict(resid=s[:n], x0=s[n: 2 * n], attn=s[2 * n: 4 * n].view(n, 2),
+                    smear=s[4 * n], backout=s[4 * n + 1], skip=s[4 * n + 2])
+
+    def forward(self, input_seq, target_seq, cu_seqlens, long_window_blocks):
+        seq_len = input_seq.numel()
+        roles, lam = self.roles, self.scalar_views()
+        docs = document_ids(cu_seqlens, seq_len)
+        same_doc_as_prev = torch.cat([docs.new_zeros(1, dtype=torch.bool), docs[1:] == docs[:-1]])
+        long_tokens = long_window_blocks * self.window_block_tokens
+        masks = {long: attention_mask(docs, tokens, self.attention_backend)
+                 for long, tokens in ((True, long_tokens), (False, long_tokens // 2))}
+        cos_sin = self.rotary.cos_sin(seq_len)
+
+        x = F.embedding(input_seq, self.lm_head.weight)
+        gate = torch.sigmoid(F.linear(x[1:, :GATE_INPUTS], self.smear_gate_w.type_as(x)))
+        x = torch.cat([x[:1], x[1:] + lam["smear"] * gate * x[:-1] * same_doc_as_prev[1:, None]])
+        x = x0 = norm(x)
+        ve = [F.embedding(input_seq, table) for table in self.value_embeds]
+        skip = backout = None
+        for i, block in enumerate(self.blocks):
+            x = lam["resid"][i] * x + lam["x0"][i] * x0
+            if i == roles.attn_free:
+                x = x + torch.sigmoid(lam["skip"]) * skip
+            long = i in roles.long_window
+            table = roles.value_embed.get(i)
+            attn_args = dict(lambdas=lam["attn"][i], ve=None if table is None else ve[table], mask=masks[long],
+                             backend=self.attention_backend,
+                             cos_sin=cos_sin, attn_scale=self.rotary.attn_scale, same_doc_as_prev=same_doc_as_prev,
+                             key_shift=long)
+            x = block(x, attn_args)
+            if i == roles.skip_source:
+                skip = x
+            if i == roles.backout:
+                backout = x
+        x = norm(x - lam["backout"] * backout)
+        if self.training and self.fused_cpu_loss:
+            return ChunkedSoftcapLoss.apply(x, self.lm_head.weight, target_seq.long())
+        logits = head_matmul(x, self.lm_head.weight, self.use_fp8 and self.training)
+        logits = 30 * torch.sigmoid(logits.float() / 7.5)
+        return F.cross_entropy(logits, target_seq.long(), reduction="sum" if self.training else "mean")
+
+
+def initial_scalars(num_layers, world_size):
+    """resid λ (1.1) x L, x0 λ (0) x L, attention λ pairs (0.5, 1.0) x L, smear λ 0, backout λ 0.5,
+    skip λ -1.5; padded with ones to a multiple of the world size so DistAdam can shard it."""
+    n = num_layers
+    values = [1.1] * n + [0.0] * n + [0.5, 1.0] * n + [0.0, 0.5, -1.5]
+    values += [1.0] * (-len(values) % world_size)
+    return torch.tensor(values)
+
+
+def build_model(hp, world_size, device):
+    model = GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, world_size,
+                hp.window_block_tokens).to(device)
+    if device.type == "cuda":  # embedding-like weights live in bf16 on GPU
+        model.attention_backend = "flex"
+        model.fused_cpu_loss = False
+        for p in [model.lm_head.weight, *model.value_embeds]:
+            p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+def split_params_for_optimizers(model):
+    """NorMuon: hidden matrices and gates. DistAdam, in order: head/embedding, value embeddings, scalars."""
+    muon = [p for p in model.parameters() if p.label in ("attn", "mlp", "gate")]
+    adam = [model.lm_head.weight, *model.value_embeds, model.scalars]
+    covered = [id(p) for p in muon + adam]
+    if sorted(covered) != sorted(id(p) for p in model.parameters()) or len(set(covered)) != len(covered):
+        raise AssertionError("optimizer parameter sets must cover every model parameter exactly once")
+    return muon, adam
+
+# ----------------------------------------------------------------------------------------------
+# Data: .bin shards, BOS-aligned distributed batches, validation batches, a synthetic corpus
+
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
+BOS_SYNC_TOKENS = 4_000_000  # index this many tokens before returning; the rest in the background
+
+
+class DataError(ValueError):
+    """Missing or corrupt data; main() prints it as one line."""
+
+
+def read_shard(path):
+    """Tokens of a .bin shard as uint16, after checking the header against the file size."""
+    path = Path(path)
+    size = path.stat().st_size
+    header_bytes = SHARD_HEADER_INTS * 4
+    if size < header_bytes:
+        raise DataError(f"{path}: corrupt shard: {size} bytes is shorter than the {header_bytes}-byte header")
+    with path.open("rb") as f:
+        header = np.frombuffer(f.read(header_bytes), dtype="<i4")
+        if header[0] != SHARD_MAGIC:
+            raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a speedrun/llm.c token shard")
+        if header[1] != SHARD_VERSION:
+            raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+        n = int(header[2])
+        expected = header_bytes + 2 * n
+        if size != expected:
+            what = "truncated" if size < expected else "oversized"
+            raise DataError(f"{path}: {what} shard: header says {n} tokens ({expected} bytes) but the file has {size} bytes; "
+                            f"re-download or re-tokenize it")
+        tokens = np.frombuffer(f.read(), dtype="<u2")
+    return tokens
+
+
+def write_shard(path, tokens):
+    """Write tokens (ids < 2**16) as a .bin shard atomically (temp file + rename)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2 ** 16):
+        raise DataError(f"{path}: token ids must fit in uint16")
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+    os.replace(tmp, path)
+
+
+class BosIndex:
+    """Positions of BOS tokens in a shard: the first BOS_SYNC_TOKENS synchronously, the rest in a
+    background thread, so a new shard is usable at once."""
+
+    _pool = None
+
+    def __init__(self, tokens):
+        head = np.flatnonzero(tokens[:BOS_SYNC_TOKENS] == BOS_ID)
+        self._parts = [head]
+        self._rest = None
+        if tokens.size > BOS_SYNC_TOKENS:
+            if BosIndex._pool is None:
+                BosIndex._pool = concurrent.futures.ThreadPoolExecutor(1)
+            self._rest = BosIndex._pool.submit(lambda: np.flatnonzero(tokens[BOS_SYNC_TOKENS:] == BOS_ID) + BOS_SYNC_TOKENS)
+
+    def available(self, need_all=False):
+        """All positions indexed so far (waits for the background part if need_all or nothing is left)."""
+        if self._rest is not None and (need_all or self._rest.done()):
+            self._parts = [np.concatenate([self._parts[0], self._rest.result()])]
+            self._rest = None
+        return self._parts[0]
+
+    @property
+    def complete(self):
+        return self._rest is None
+
+
+def load_shard_with_index(path):
+    tokens = read_shard(path)
+    return tokens, BosIndex(tokens)
+
+
+def plan_pieces(bos, shard_len, cursor, world_size, rank_tokens, max_seq_len, index_complete=True):
+    """Walk BOS positions from `cursor`: rank 0 takes pieces until it has rank_tokens, then rank 1...
+    A piece starts at a BOS and ends at the next BOS, max_seq_len, or the rank's quota.
+    Returns ([(starts, lengths)] per rank, next cursor), or None if the BOS list runs out.
+    With an incomplete index the last known BOS has no known end, so it is not used."""
+    ends = np.append(bos[cursor + 1:], shard_len) if index_complete else bos[cursor + 1:]
+    if len(ends) == 0:
+        return None
+    lengths = np.minimum(ends - bos[cursor: cursor + len(ends)], max_seq_len)
+    cumulative = np.cumsum(lengths)
+    plan, taken, first = [], 0, 0
+    for _ in range(world_size):
+        last = int(np.searchsorted(cumulative, taken + rank_tokens))  # first piece reaching the quota
+        if last >= len(cumulative):
+            return None
+        piece_lengths = lengths[first: last + 1].copy()
+        piece_lengths[-1] -= cumulative[last] - (taken + rank_tokens)
+        plan.append((bos[cursor + first: cursor + last + 1], piece_lengths))
+        taken, first = int(cumulative[last]), last + 1
+    return plan, cursor + first
+
+
+def gather_pieces(tokens, starts, lengths):
+    index = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
+    return tokens[index]
+
+
+def padded_cu_seqlens(lengths, total):
+    """[0, l1, l1+l2, ..., total] padded with `total` to length total + 1 (static shape)."""
+    cu = np.full(total + 1, total, dtype=np.int32)
+    cu[0] = 0
+    bounds = np.cumsum(lengths)
+    bounds = bounds[bounds < total]
+    cu[1: 1 + len(bounds)] = bounds
+    return cu
+
+
+def to_device(inputs, targets, cu_seqlens, device):
+    """int32 inputs, int64 targets, int32 cu_seqlens; pinned + non_blocking on CUDA."""
+    tensors = [torch.from_numpy(inputs.astype(np.int32)), torch.from_numpy(targets.astype(np.int64)),
+               torch.from_numpy(cu_seqlens)]
+    if device.type == "cuda":
+        return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+    return [t.to(device) for t in tensors]
+
+
+class TrainLoader:
+    """BOS-aligned batches for one rank. The walk over documents is the same on every rank (each
+    computes the global plan and keeps its own part), so ranks never need to talk about data."""
+
+    def __init__(self, pattern, rank, world_size, device, cycle=False):
+        self.files = sorted(glob.glob(pattern))
+        if not self.files:
+            raise DataError(f"no training shards match {pattern!r}; download them with "
+                            f"`python data/cached_fineweb10B.py` or pass --train_files")
+        self.rank, self.world_size, self.device, self.cycle = rank, world_size, device, cycle
+        self._next = concurrent.futures.ThreadPoolExecutor(1)
+        self.reset()
+
+    def reset(self, shard=0, cursor=0, epoch=0):
+        self.shard, self.cursor, self.epoch = shard, cursor, epoch
+        self.tokens, self.bos = load_shard_with_index(self.files[shard])
+        self._prefetch = self._next.submit(load_shard_with_index, self.files[self._following_shard()])
+
+    def _following_shard(self):
+        return (self.shard + 1) % len(self.files)
+
+    def state_dict(self):
+        return dict(shard=self.shard, cursor=self.cursor, epoch=self.epoch, files=self.files)
+
+    def load_state_dict(self, state):
+        if state["files"] != self.files:
+            raise DataError("the training shards differ from those of the checkpoint; pass the same --train_files")
+        self.reset(state["shard"], state["cursor"], state["epoch"])
+
+    def _advance_shard(self):
+        if self.shard + 1 == len(self.files):
+            if not self.cycle:
+                raise DataError(f"all {len(self.files)} training shards are used up; download more shards "
+                                f"(python data/cached_fineweb10B.py N) or pass --cycle_data true")
+            self.epoch += 1
+        self.shard = self._following_shard()
+        self.cursor = 0
+        self.tokens, self.bos = self._prefetch.result()
+        self._prefetch = self._next.submit(load_shard_with_index, self.files[self._following_shard()])
+
+    def next_batch(self, rank_tokens, max_seq_len):
+        """(inputs, targets, cu_seqlens) of rank_tokens tokens each for this rank."""
+        for _ in range(2 * len(self.files) + 1):
+            plan = None
+            if not self.bos.complete:
+                plan = plan_pieces(self.bos.available(), len(self.tokens), self.cursor, self.world_size, rank_tokens + 1,
+                                   max_seq_len, index_complete=self.bos.complete)
+            if plan is None:
+                plan = plan_pieces(self.bos.available(need_all=True), len(self.tokens), self.cursor, self.world_size,
+                                   rank_tokens + 1, max_seq_len)
+            if plan is not None:
+                break
+            self._advance_shard()
+        else:
+            raise DataError(f"the training shards {self.files[0]}... are too small for {rank_tokens} tokens per rank")
+        pieces, self.cursor = plan
+        starts, lengths = pieces[self.rank]
+        buf = gather_pieces(self.tokens, starts, lengths)
+        return to_device(buf[:-1], buf[1:], padded_cu_seqlens(lengths, rank_tokens), self.device)
+
+
+def validation_batches(pattern, val_tokens, val_batch_size, rank, world_size, accum, device):
+    """The first val_tokens tokens, in val_batch_size steps; rank r takes its contiguous slice of each
+    step (split into `accum` forward passes). Not BOS-aligned; documents still never mix in attention."""
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise DataError(f"no validation shards match {pattern!r}; download them with "
+                        f"`python data/cached_fineweb10B.py` or pass --val_files")
+    tokens = np.concatenate([read_shard(f) for f in files])
+    if tokens.size < val_tokens + 1:
+        raise DataError(f"validation shards {pattern!r} hold {tokens.size} tokens; --val_tokens {val_tokens} needs one more")
+    chunk = tokens_per_rank(val_batch_size, world_size, accum, what="--val_batch_size")
+    for start in range(0, val_tokens, chunk * world_size):
+        begin = start + rank * chunk
+        buf = tokens[begin: begin + chunk + 1]
+        inputs = buf[:-1]
+        starts = np.flatnonzero(inputs == BOS_ID)
+        lengths = np.diff(np.concatenate([[0], starts[starts > 0], [chunk]]))
+        yield to_device(inputs, buf[1:], padded_cu_seqlens(lengths, chunk), device)
+
+
+def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512, topics=8):
+    """Write a deterministic corpus with learnable structure: BOS-started documents, each with a topic,
+    generated by a topic-dependent sparse Markov chain (4 successors per token, probs .6/.25/.1/.05).
+    A model must use context (the topic) and the previous token to reach ~1.1 nats/token;
+    the unigram entropy is ~ln(vocab). Returns the (train, val) paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    token_ids = rng.choice(np.arange(1000, 50000), size=vocab, replace=False)
+    successors = rng.integers(0, vocab, size=(topics, vocab, 4))
+    probs = np.array([0.6, 0.25, 0.1, 0.05])
+    paths = []
+    for name, n_tokens in (("synthetic_val_000000.bin", val_tokens), ("synthetic_train_000001.bin", train_tokens)):
+        docs = []
+        total = 0
+        while total < n_tokens:
+            n_docs, doc_len = 512, 1024
+            topic = rng.integers(0, topics, size=n_docs)
+            state = rng.integers(0, vocab, size=n_docs)
+            choices = rng.choice(4, size=(doc_len, n_docs), p=probs)
+            seq = np.empty((n_docs, doc_len), dtype=np.int64)
+            for t in range(doc_len):
+                seq[:, t] = state
+                state = successors[topic, state, choices[t]]
+            lengths = rng.integers(32, doc_len, size=n_docs)
+            for row, length in zip(seq, lengths):
+                docs.append(np.concatenate([[BOS_ID], token_ids[row[:length]]]))
+                total += length + 1
+        path = out_dir / name
+        write_shard(path, np.concatenate(docs)[:n_tokens])
+        paths.append(path)
+    return paths
+
+# ----------------------------------------------------------------------------------------------
+# Schedules: everything that changes with the step (record: 1995 scheduled steps in thirds + 40 extension)
+
+
+def stage_at(step, hp):
+    """0, 1, 2 for the thirds of the scheduled steps, 3 for the extension."""
+    n = hp.num_scheduled_iterations
+    return 3 if step >= n else min(3 * step // n, 2)
+
+
+def batch_size_at(step, hp):
+    return (*hp.batch_sizes, hp.batch_sizes[-1])[stage_at(step, hp)]
+
+
+def window_blocks_at(step, hp):
+    return (*hp.window_blocks, hp.extension_window_blocks)[stage_at(step, hp)]
+
+
+def lr_multiplier_at(step, hp):
+    """Stage multiplier, then a linear cooldown over the last cooldown_frac of the scheduled steps
+    from the current multiplier to final_lr_multiplier, which also holds during the extension."""
+    n, stage = hp.num_scheduled_iterations, stage_at(step, hp)
+    if stage == 3:
+        return hp.final_lr_multiplier
+    multiplier = hp.lr_multipliers[stage]
+    progress = step / n
+    if progress < 1 - hp.cooldown_frac:
+        return multiplier
+    weight = (1 - progress) / hp.cooldown_frac
+    return weight * multiplier + (1 - weight) * hp.final_lr_multiplier
+
+
+def muon_momentum_at(step, hp):
+    """Linear warm-up from start to end value, and back to the start value over the final steps."""
+    start, end = hp.muon_momentum
+    warm = min(1.0, step / hp.muon_momentum_warmup_steps) if hp.muon_momentum_warmup_steps else 1.0
+    momentum = start + (end - start) * warm
+    cooldown_start = hp.num_scheduled_iterations + hp.num_extension_iterations - hp.muon_momentum_cooldown_steps
+    if hp.muon_momentum_cooldown_steps and step >= cooldown_start:
+        momentum -= (momentum - start) * (step - cooldown_start) / hp.muon_momentum_cooldown_steps
+    return momentum
+
+
+def adam_steps_at(step):
+    """DistAdam updates on odd steps only; its gradients accumulate over the two steps."""
+    return step % 2 == 1
+
+
+def stage_first_steps(hp):
+    """The first step of every stage (what the compile warm-up visits)."""
+    total = hp.num_scheduled_iterations + hp.num_extension_iterations
+    return [s for s in range(total) if s == 0 or stage_at(s, hp) != stage_at(s - 1, hp)]
+
+# ----------------------------------------------------------------------------------------------
+# Training loop: warm-up, timed steps, validation, checkpoints, logs
+
+SEPARATOR = "=" * 100
+CHECKPOINT_MAGIC = b"SPEEDRUN-CKPT-1\n"
+# Dense bf16 peak FLOP/s assumed for MFU (vendor figures, no sparsity), by device-name substring.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+
+
+class RunLog:
+    """Rank 0 writes lines to stdout and logs/<run_id>.txt; other ranks stay quiet."""
+
+    def __init__(self, path, enabled):
+        self.path, self.enabled = path, enabled
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            source = Path(__file__).read_text(encoding="utf-8")
+            with path.open("w", encoding="utf-8") as f:
+                f.write(source if source.endswith("\n") else source + "\n")
+                f.write(SEPARATOR + "\n" + environment_report() + SEPARATOR + "\n")
+
+    def __call__(self, line, console=True):
+        if not self.enabled:
+            return
+        if console:
+            print(line, flush=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+def environment_report():
+    lines = [f"python {platform.python_version()}  torch {torch.__version__}  cuda {torch.version.cuda}  "
+             f"triton {triton.__version__ if HAS_TRITON else 'not installed'}  host {platform.node()}"]
+    try:
+        lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout.rstrip())
+    except (OSError, subprocess.SubprocessError):
+        cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                    if l.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+        lines.append(f"no nvidia-smi; CPU: {cpu}, {os.cpu_count()} cores")
+    return "\n".join(lines) + "\n"
+
+
+def script_sha256():
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def save_checkpoint(path, payload):
+    """Atomic: serialize, hash, write a temp file, fsync, rename. A crash leaves the old file intact."""
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(CHECKPOINT_MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read checkpoint ({e.strerror})")
+    header_len = len(CHECKPOINT_MAGIC) + 65
+    if not raw.startswith(CHECKPOINT_MAGIC) or len(raw) < header_len:
+        raise DataError(f"{path}: not a speedrun checkpoint (bad header); pass a file written by --save_every")
+    digest, data = raw[len(CHECKPOINT_MAGIC): header_len - 1].decode(), raw[header_len:]
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise DataError(f"{path}: checkpoint is corrupt or truncated (checksum mismatch); resume from an earlier one")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def setup_distributed(hp):
+    """torchrun (RANK/WORLD_SIZE set) or a single plain process; NCCL on CUDA, gloo on CPU."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(hp.cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return rank, world_size, device
+
+
+def resolve_data(hp, rank):
+    """Prefix $DATA_PATH; fall back to the synthetic corpus where the preset allows it."""
+    root = Path(os.environ.get("DATA_PATH", "."))
+    train, val = str(root / hp.train_files), str(root / hp.val_files)
+    if hp.synthetic_fallback and not (glob.glob(train) and glob.glob(val)):
+        folder = root / "data" / "synthetic"
+        train, val = str(folder / "synthetic_train_*.bin"), str(folder / "synthetic_val_*.bin")
+        if rank == 0 and not (glob.glob(train) and glob.glob(val)):
+            synthetic_corpus(folder)
+        if dist_ready():
+            dist.barrier()
+    return train, val
+
+
+class Trainer:
+    """Holds the run's moving parts; run() is the timed loop of SPEC §6."""
+
+    def __init__(self, hp, argv_text=""):
+        self.hp = hp
+        self.rank, self.world_size, self.device = setup_distributed(hp)
+        self.accum = grad_accum_steps(hp, self.world_size)
+        for b in hp.batch_sizes:
+            tokens_per_rank(b, self.world_size, self.accum)
+        tokens_per_rank(hp.val_batch_size, self.world_size, self.accum, what="--val_batch_size")
+        self.run_id = hp.run_id or str(uuid.uuid4())
+        self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0)
+        self.log(f"args: {argv_text}", console=False)
+        self.log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
+        self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
+        train_pattern, self.val_pattern = resolve_data(hp, self.rank)
+        torch.manual_seed(hp.seed)
+        self.model = build_model(hp, self.world_size, self.device)
+        self.model.use_fp8 = hp.fp8 == "on" or (hp.fp8 == "auto" and fp8_supported(self.device))
+        if self.world_size > 1:
+            for p in self.model.parameters():
+                dist.broadcast(p.data, 0)
+        muon_params, adam_params = split_params_for_optimizers(self.model)
+        self.muon = NorMuon(muon_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2)
+        self.adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd)
+        self.forward = self.model
+        if self.device.type == "cuda" and hp.compile:
+            torch._dynamo.config.cache_size_limit = 64
+            self.forward = torch.compile(self.model, dynamic=False, fullgraph=True)
+        self.loader = TrainLoader(train_pattern, self.rank, self.world_size, self.device, hp.cycle_data)
+        self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
+        self.window = window_blocks_at(0, hp)
+        self.step = 0
+        self.training_time_ms = 0.0
+        self.tokens_seen = 0
+
+    # --- one step -------------------------------------------------------------------------
+    def set_window(self, blocks, yarn=True):
+        if blocks != self.window and yarn:
+            self.model.rotary.extend_window(self.window * self.hp.window_block_tokens, blocks * self.hp.window_block_tokens)
+        self.window = blocks
+
+    def train_step(self, step):
+        hp = self.hp
+        self.set_window(window_blocks_at(step, hp))
+        rank_tokens = tokens_per_rank(batch_size_at(step, hp), self.world_size, self.accum)
+        lr_mul = lr_multiplier_at(step, hp)
+        for group in self.muon.param_groups:
+            group["lr"], group["momentum"] = hp.muon_lr * lr_mul, muon_momentum_at(step, hp)
+        for group in self.adam.param_groups:
+            group["lr"] = hp.adam_lr * lr_mul
+        self.model.train()
+        total = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            inputs, targets, cu_seqlens = self.loader.next_batch(rank_tokens, hp.max_seq_len)
+            self.adam.sync_grads = adam_steps_at(step) and micro == self.accum - 1
+            loss = self.forward(inputs, targets, cu_seqlens, self.window) / self.accum
+            loss.backward()
+            total += loss.detach()
+        self.muon.step()
+        self.muon.zero_grad()
+        if adam_steps_at(step):
+            self.adam.step()
+            self.adam.zero_grad()
+        self.tokens_seen += rank_tokens * self.accum * self.world_size
+        return total
+
+    @torch.no_grad()
+    def validate(self, window_blocks):
+        hp = self.hp
+        saved_window = self.window
+        self.set_window(window_blocks, yarn=False)
+        self.model.eval()
+        losses = [self.forward(*batch, self.window) for batch in validation_batches(
+            self.val_pattern, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size, self.accum, self.device)]
+        loss = torch.stack(losses).mean()
+        if self.world_size > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        self.window = saved_window
+        return loss.item()
+
+    # --- state -------------------------------------------------------------------------------
+    def snapshot(self):
+        """Everything a bit-exact continuation needs (collective when distributed)."""
+        return dict(
+            step=self.step, training_time_ms=self.training_time_ms, tokens_seen=self.tokens_seen, window=self.window,
+            model={k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            muon=self.muon.state_dict(), adam=self.adam.state_dict(), loader=self.loader.state_dict(),
+            rng=dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None),
+            script_sha256=script_sha256(), world_size=self.world_size, hyperparameters=dataclasses.asdict(self.hp))
+
+    def restore(self, snap):
+        self.model.load_state_dict(snap["model"])
+        self.muon.load_state_dict(snap["muon"])
+        self.adam.load_state_dict(snap["adam"])
+        self.loader.load_state_dict(snap["loader"])
+        torch.set_rng_state(snap["rng"]["torch"])
+        if snap["rng"]["cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all(snap["rng"]["cuda"])
+        self.step, self.training_time_ms = snap["step"], snap["training_time_ms"]
+        self.tokens_seen, self.window = snap["tokens_seen"], snap["window"]
+        self.muon.zero_grad()
+        self.adam.zero_grad()
+
+    def resume(self, path):
+        snap = load_checkpoint(path)
+        if snap["script_sha256"] != script_sha256() and not self.hp.force:
+            raise ConfigError(f"{path} was written by a different train_gpt.py; pass --force true to resume anyway")
+        if snap["world_size"] != self.world_size:
+            raise ConfigError(f"{path} was written with {snap['world_size']} processes; resume with the same number")
+        self.restore(snap)
+        self.log(f"resumed from {path} at step {self.step}")
+
+    def checkpoint(self, tag):
+        snap = self.snapshot()
+        if self.rank == 0:
+            path = Path(self.hp.log_dir) / "checkpoints" / self.run_id / f"{tag}.pt"
+            save_checkpoint(path, snap)
+            self.log(f"saved checkpoint {path}")
+
+    def warm_up(self):
+        """Compile every batch-size/window variant and the validation pass, then undo it all."""
+        initial = self.snapshot()
+        for first in stage_first_steps(self.hp):
+            for step in range(first, first + self.hp.warmup_steps):
+                self.train_step(step)
+        self.validate(self.window)
+        self.validate(self.hp.final_val_window_blocks)
+        self.restore(initial)
+        self.model.rotary.reset()
+        self.window = window_blocks_at(0, self.hp)
+        self.synchronize()
+
+    def synchronize(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # --- the run -----------------------------------------------------------------------------
+    def run(self):
+        hp = self.hp
+        if hp.resume:
+            self.resume(hp.resume)
+        elif hp.warmup_steps:
+            self.warm_up()
+        profile_range = _parse_profile_range(hp.profile) if hp.profile else None
+        profiler = None
+        pending_loss = None  # checked one step late on CUDA so the host never waits for the GPU
+        val_losses = []
+        self.synchronize()
+        t0 = time.perf_counter()
+        for step in range(self.step, self.total_steps + 1):
+            last = step == self.total_steps
+            if last or (hp.val_loss_every and step % hp.val_loss_every == 0):
+                self.synchronize()
+                self.training_time_ms += 1000 * (time.perf_counter() - t0)
+                val_loss = self.validate(hp.final_val_window_blocks if last else self.window)
+                val_losses.append((step, val_loss))
+                self.log(f"step:{step}/{self.total_steps} val_loss:{val_loss:.4f} train_time:{self.training_time_ms:.0f}ms "
+                         f"step_avg:{self.training_time_ms / max(step, 1):.2f}ms")
+                self.synchronize()
+                t0 = time.perf_counter()
+            if last:
+                break
+            if profile_range and step == profile_range[0]:
+                profiler = torch.profiler.profile(record_shapes=True)
+                profiler.__enter__()
+            loss = self.train_step(step)
+            if pending_loss is not None:
+                self.check_finite(*pending_loss)
+            pending_loss = (step, loss)
+            if self.device.type == "cpu":
+                self.check_finite(*pending_loss)
+            if profiler is not None and step + 1 == profile_range[1]:
+                profiler.__exit__(None, None, None)
+                if self.rank == 0:
+                    trace = Path(hp.log_dir) / f"{self.run_id}_trace.json"
+                    profiler.export_chrome_trace(str(trace))
+                    self.log(f"profiler trace of steps {hp.profile} written to {trace}")
+                profiler = None
+            self.step = step + 1
+            approx_ms = self.training_time_ms + 1000 * (time.perf_counter() - t0)
+            self.log(f"step:{step + 1}/{self.total_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
+            if hp.save_every and self.step % hp.save_every == 0 and self.step < self.total_steps:
+                self.synchronize()
+                self.training_time_ms += 1000 * (time.perf_counter() - t0)
+                self.checkpoint(f"step_{self.step:06d}")
+                self.synchronize()
+                t0 = time.perf_counter()
+        if hp.save_checkpoint:
+            self.checkpoint("final")
+        self.log_summary()
+        return val_losses
+
+    def check_finite(self, step, loss):
+        value = loss.item()
+        if not math.isfinite(value):
+            raise FloatingPointError(f"training loss is {value} at step {step}; lower the learning rates "
+                                     f"(--muon_lr/--adam_lr) or check the data, then rerun")
+
+    def log_summary(self):
+        if self.device.type == "cuda":
+            self.log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                     f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+        else:
+            self.log(f"peak memory (CPU max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
+        seconds = self.training_time_ms / 1000
+        tokens_per_s = self.tokens_seen / seconds if seconds else 0.0
+        flops_per_token = model_flops_per_token(self.model, self.hp)
+        peak = next((v for k, v in PEAK_FLOPS.items() if self.device.type == "cuda" and k in torch.cuda.get_device_name(self.device)), None)
+        mfu = f"{100 * tokens_per_s * flops_per_token / (peak * self.world_size):.1f}%" if peak else "n/a (unknown peak FLOP/s)"
+        self.log(f"throughput: {tokens_per_s:,.0f} tokens/s over {self.tokens_seen:,} tokens; "
+                 f"{flops_per_token / 1e9:.2f} GFLOP/token; MFU {mfu}")
+
+
+def model_flops_per_token(model, hp):
+    """6 x (matmul weights: blocks + head) for forward+backward, plus attention's 12 x layers x hdim x
+    mean keys per query (half the average long/short window of the last stage). Embedding lookups are free."""
+    matmul = sum(p.numel() for p in model.parameters() if p.label in ("attn", "mlp")) + model.lm_head.weight.numel()
+    attn_layers = sum(block.attn is not None for block in model.blocks)
+    keys = 0.75 * hp.window_blocks[-1] * hp.window_block_tokens / 2
+    return 6 * matmul + 12 * attn_layers * hp.num_heads * hp.head_dim * keys
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        hp = parse_args(argv)
+        trainer = Trainer(hp, " ".join(argv))
+        return trainer.run()
+    except (ConfigError, DataError, FloatingPointError) as e:
+        print(f"train_gpt.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist_ready():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
