@@ -8,6 +8,7 @@ Importing this module has no side effects; main() runs only under __main__.
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -154,9 +155,9 @@ def build_arg_parser():
         if isinstance(default, bool):
             kwargs.update(type=parse_bool, metavar="BOOL")
         elif isinstance(default, tuple):
-            kwargs.update(type=type(default[0]), nargs=len(default) if f.name != "batch_sizes" else "+")
+            kwargs.update(type=type(default[0]), nargs=len(default), metavar=type(default[0]).__name__.upper())
         else:
-            kwargs.update(type=type(default))
+            kwargs.update(type=type(default), metavar=type(default).__name__.upper())
         parser.add_argument(f"--{f.name}", **kwargs)
     return parser
 
@@ -307,15 +308,18 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
         for start in range(0, x.size(0), ChunkedSoftcapLoss.CHUNK):
             xc, tc = x[start: start + ChunkedSoftcapLoss.CHUNK], targets[start: start + ChunkedSoftcapLoss.CHUNK]
             rows = torch.arange(tc.numel(), device=x.device)
-            sig = torch.sigmoid_((xc @ w.T).float().div_(7.5))
-            logits = sig * 30
-            lse = torch.logsumexp(logits, dim=1)
-            total += (lse - logits[rows, tc]).sum()
-            probs = logits.sub_(lse[:, None]).exp_()
+            logits = (xc @ w.T).float().div_(7.5).sigmoid_().mul_(30)
+            # d logits / d z = 4 s (1 - s) with s = logits / 30, i.e. logits * (30 - logits) / 225
+            slope = torch.rsub(logits, 30).mul_(logits)
+            target_logits = logits[rows, tc]
+            probs = logits.exp_()  # logits lie in (0, 30): exp cannot overflow, no max-subtraction needed
+            sum_exp = probs.sum(dim=1)
+            total += (sum_exp.log() - target_logits).sum()
+            probs.mul_(sum_exp.reciprocal_()[:, None])
             probs[rows, tc] -= 1
-            probs.mul_(sig.addcmul_(sig, sig, value=-1).mul_(4))  # d(30*sigmoid(z/7.5))/dz = 4*s*(1-s)
-            grad_x[start: start + ChunkedSoftcapLoss.CHUNK] = (probs @ w.float()).to(x.dtype)
-            grad_w += (probs.T @ xc.float()).to(w.dtype)
+            grad_logits = probs.mul_(slope)
+            grad_x[start: start + ChunkedSoftcapLoss.CHUNK] = (grad_logits @ w.float()).div_(225).to(x.dtype)
+            grad_w += (grad_logits.T @ xc.float()).div_(225).to(w.dtype)
         ctx.save_for_backward(grad_x, grad_w)
         return total
 
@@ -701,7 +705,7 @@ class DistAdam:
             else:
                 grad = p.grad
             shard = self._slice(p)
-            new_shard = self._adam_update(group, grad.float(), shard.float(), p)
+            new_shard = self._adam_update(group, grad.float(), shard.to(torch.float32, copy=True), p)
             if self.world_size > 1:
                 gathers.append(dist.all_gather_into_tensor(p, new_shard.to(p.dtype), async_op=True))
             else:
@@ -710,21 +714,22 @@ class DistAdam:
             handle.wait()
 
     def _adam_update(self, group, grad, weight, p):
+        """Bias-corrected Adam with cautious decay on fp32 copies (weight is consumed in place)."""
         beta1, beta2 = group["betas"]
         if group["exp_avg"] is None:
             group["exp_avg"] = torch.zeros_like(weight, dtype=torch.bfloat16)
             group["exp_avg_sq"] = torch.zeros_like(weight, dtype=torch.bfloat16)
         group["step"] += 1
+        step, lr = group["step"], group["lr"]
         exp_avg = group["exp_avg"].float().lerp_(grad, 1 - beta1)
-        exp_avg_sq = group["exp_avg_sq"].float().lerp_(grad.square(), 1 - beta2)
+        exp_avg_sq = group["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         group["exp_avg"].copy_(exp_avg)
         group["exp_avg_sq"].copy_(exp_avg_sq)
-        step = group["step"]
-        update = (exp_avg / (1 - beta1 ** step)) / ((exp_avg_sq / (1 - beta2 ** step)).sqrt() + group["eps"])
-        lr = group["lr"]
+        denom = exp_avg_sq.div_(1 - beta2 ** step).sqrt_().add_(group["eps"])
+        update = exp_avg.div_(1 - beta1 ** step).div_(denom)
         eta = lr * p.lr_mul
-        mask = (update * weight) >= 0
-        return weight - eta * (group["weight_decay"] * p.wd_mul * lr) * mask * weight - eta * update
+        decay = torch.mul(update, weight).ge_(0).mul_(weight)  # cautious: only where update and weight agree
+        return weight.sub_(decay, alpha=eta * group["weight_decay"] * p.wd_mul * lr).sub_(update, alpha=eta)
 
     def state_dict(self):
         """Full moments (all ranks' slices gathered); collective when distributed."""
@@ -1493,6 +1498,7 @@ class Trainer:
         self.step = 0
         self.training_time_ms = 0.0
         self.tokens_seen = 0
+        self.profiler = None
 
     # --- one step -------------------------------------------------------------------------
     def set_window(self, blocks, yarn=True):
@@ -1596,62 +1602,80 @@ class Trainer:
             torch.cuda.synchronize()
 
     # --- the run -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def clock_paused(self):
+        """Validation and checkpoints do not count as training time."""
+        self.synchronize()
+        self.training_time_ms += 1000 * (time.perf_counter() - self.clock_start)
+        yield
+        self.synchronize()
+        self.clock_start = time.perf_counter()
+
     def run(self):
         hp = self.hp
+        if hp.warmup_steps:
+            self.warm_up()
         if hp.resume:
             self.resume(hp.resume)
-        elif hp.warmup_steps:
-            self.warm_up()
-        profile_range = _parse_profile_range(hp.profile) if hp.profile else None
-        profiler = None
         pending_loss = None  # checked one step late on CUDA so the host never waits for the GPU
         val_losses = []
         self.synchronize()
-        t0 = time.perf_counter()
+        self.clock_start = time.perf_counter()
         for step in range(self.step, self.total_steps + 1):
             last = step == self.total_steps
             if last or (hp.val_loss_every and step % hp.val_loss_every == 0):
-                self.synchronize()
-                self.training_time_ms += 1000 * (time.perf_counter() - t0)
-                val_loss = self.validate(hp.final_val_window_blocks if last else self.window)
-                val_losses.append((step, val_loss))
-                self.log(f"step:{step}/{self.total_steps} val_loss:{val_loss:.4f} train_time:{self.training_time_ms:.0f}ms "
-                         f"step_avg:{self.training_time_ms / max(step, 1):.2f}ms")
-                self.synchronize()
-                t0 = time.perf_counter()
+                with self.clock_paused():
+                    val_loss = self.validate(hp.final_val_window_blocks if last else self.window)
+                    val_losses.append((step, val_loss))
+                    self.log(f"step:{step}/{self.total_steps} val_loss:{val_loss:.4f} "
+                             f"train_time:{self.training_time_ms:.0f}ms step_avg:{self.training_time_ms / max(step, 1):.2f}ms")
             if last:
                 break
-            if profile_range and step == profile_range[0]:
-                profiler = torch.profiler.profile(record_shapes=True)
-                profiler.__enter__()
+            self.profiler_at(step)
             loss = self.train_step(step)
             if pending_loss is not None:
                 self.check_finite(*pending_loss)
-            pending_loss = (step, loss)
-            if self.device.type == "cpu":
-                self.check_finite(*pending_loss)
-            if profiler is not None and step + 1 == profile_range[1]:
-                profiler.__exit__(None, None, None)
-                if self.rank == 0:
-                    trace = Path(hp.log_dir) / f"{self.run_id}_trace.json"
-                    profiler.export_chrome_trace(str(trace))
-                    self.log(f"profiler trace of steps {hp.profile} written to {trace}")
-                profiler = None
+            pending_loss = (step, *self.copy_to_host(loss))
             self.step = step + 1
-            approx_ms = self.training_time_ms + 1000 * (time.perf_counter() - t0)
-            self.log(f"step:{step + 1}/{self.total_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
+            approx_ms = self.training_time_ms + 1000 * (time.perf_counter() - self.clock_start)
+            self.log(f"step:{self.step}/{self.total_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / self.step:.2f}ms")
             if hp.save_every and self.step % hp.save_every == 0 and self.step < self.total_steps:
-                self.synchronize()
-                self.training_time_ms += 1000 * (time.perf_counter() - t0)
-                self.checkpoint(f"step_{self.step:06d}")
-                self.synchronize()
-                t0 = time.perf_counter()
+                with self.clock_paused():
+                    self.checkpoint(f"step_{self.step:06d}")
+        if pending_loss is not None:
+            self.check_finite(*pending_loss)
         if hp.save_checkpoint:
             self.checkpoint("final")
         self.log_summary()
         return val_losses
 
-    def check_finite(self, step, loss):
+    def profiler_at(self, step):
+        """Start/stop the PyTorch profiler around the --profile START:END steps."""
+        start, end = _parse_profile_range(self.hp.profile) if self.hp.profile else (-1, -1)
+        if step == start:
+            self.profiler = torch.profiler.profile(record_shapes=True)
+            self.profiler.__enter__()
+        elif step == end and self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            if self.rank == 0:
+                trace = Path(self.hp.log_dir) / f"{self.run_id}_trace.json"
+                self.profiler.export_chrome_trace(str(trace))
+                self.log(f"profiler trace of steps {self.hp.profile} written to {trace}")
+            self.profiler = None
+
+    def copy_to_host(self, loss):
+        """Start copying the step's loss to the host; returns (host tensor, event to wait on)."""
+        if self.device.type != "cuda":
+            return loss, None
+        host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+        host.copy_(loss, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def check_finite(self, step, loss, done):
+        if done is not None:
+            done.synchronize()  # waits for that step only, not for the work queued since
         value = loss.item()
         if not math.isfinite(value):
             raise FloatingPointError(f"training loss is {value} at step {step}; lower the learning rates "

@@ -1,0 +1,561 @@
+"""Optimizers and schedules (SPEC §4, §5), on CPU.
+
+- NorMuon and DistAdam against straightforward references written here from the spec text.
+- The same training loop on 2 gloo processes against 1 process fed the averaged gradients
+  (uneven matrix counts, so NorMuon's zero-padded chunks are exercised), hook communication only
+  on syncing steps, the DistAdam world-size check.
+- Save -> load round trips on 1 and 2 processes, continuing bit-for-bit.
+- Parameter coverage of the two optimizers; the record schedule at the stage boundaries.
+"""
+import datetime
+import io
+import math
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import train_gpt as tg
+
+# Hyperparameters chosen so that every term moves the parameters visibly: decay factor wd*lr = 0.25
+# (NorMuon) / 0.1 (Adam), so a missing or unmasked decay is far outside the tolerances below.
+MUON_HP = dict(lr=0.05, weight_decay=5.0, momentum=0.9, beta2=0.95)
+ADAM_HP = dict(lr=0.02, betas=(0.65, 0.95), eps=1e-8, weight_decay=5.0)
+D = 16  # model dim of the toy parameter set; attention (4h, d) with h = d
+STEPS = 6  # training steps: NorMuon steps 6 times, DistAdam 3 times (odd steps)
+RESUME_AT = 4  # state saved after steps 0..3 (Adam has just stepped, no gradients pending)
+
+# Polar Express coefficients copied from SPEC §4.1 (not from train_gpt.py).
+SPEC_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Toy parameter sets and deterministic per-(rank, step) gradients
+
+def _param(gen, shape, label, lr_mul=1.0, wd_mul=1.0, scale=0.3):
+    return tg.tag(nn.Parameter(torch.randn(shape, generator=gen) * scale), label, lr_mul, wd_mul)
+
+
+def muon_params():
+    """3 matrices of shape (4D, D) (two attention, one MLP with lr_mul 2) -> padded to 4 on 2 ranks,
+    one gate of another shape, one tall and one wide matrix (groups of 1: rank 1 owns only padding)."""
+    g = torch.Generator().manual_seed(1)
+    return [
+        _param(g, (4 * D, D), "attn"),
+        _param(g, (4 * D, D), "mlp", lr_mul=2.0),
+        _param(g, (4 * D, D), "attn"),
+        _param(g, (3, 12), "gate"),
+        _param(g, (24, 8), "mlp"),  # tall: step size x sqrt(3)
+        _param(g, (8, 24), "mlp"),  # wide: normalized per column
+    ]
+
+
+def adam_params():
+    """First dims divide by 2. Order as in the model: head, value embedding, scalars."""
+    g = torch.Generator().manual_seed(2)
+    return [
+        _param(g, (32, 8), "lm_head"),
+        _param(g, (32, 8), "value_embed", lr_mul=3.0, wd_mul=0.5),
+        _param(g, (10,), "scalars", lr_mul=5.0, wd_mul=0.0),
+    ]
+
+
+def rank_grad(rank, step, index, shape):
+    gen = torch.Generator().manual_seed(100_000 * step + 1_000 * index + rank)
+    grad = torch.randn(shape, generator=gen)
+    if index == 100:  # lm_head: two rows of tiny gradients, where eps = 1e-8 matters (u ~ 0.5 instead of ~1)
+        grad[:2] *= 1e-8
+    return grad
+
+
+def avg_grad(step, index, shape):
+    return (rank_grad(0, step, index, shape) + rank_grad(1, step, index, shape)) / 2
+
+
+def set_schedules(muon, adam, step):
+    """Like Trainer.train_step: lr and momentum change every step (values are arbitrary)."""
+    scale = 1.0 - 0.1 * step
+    for group in muon.param_groups:
+        group["lr"], group["momentum"] = MUON_HP["lr"] * scale, 0.85 + 0.02 * step
+    for group in adam.param_groups:
+        group["lr"] = ADAM_HP["lr"] * scale
+
+
+def train(muon, adam, mparams, aparams, steps, grad_fn, on_backward=None):
+    """The step logic of Trainer.train_step with one micro-step: NorMuon every step, DistAdam on
+    odd steps, its hooks syncing only on those; Adam gradients come from a real backward."""
+    for step in steps:
+        set_schedules(muon, adam, step)
+        for i, p in enumerate(mparams):
+            p.grad = grad_fn(step, i, p.shape)
+        adam.sync_grads = tg.adam_steps_at(step)
+        loss = sum((p * grad_fn(step, 100 + i, p.shape)).sum() for i, p in enumerate(aparams))
+        if on_backward is None:
+            loss.backward()
+        else:
+            on_backward(loss, adam.sync_grads)
+        muon.step()
+        muon.zero_grad()
+        if tg.adam_steps_at(step):
+            adam.step()
+            adam.zero_grad()
+
+
+def make_optimizers(mparams, aparams):
+    return tg.NorMuon(mparams, **MUON_HP), tg.DistAdam(aparams, **ADAM_HP)
+
+
+def clone_all(params):
+    return [p.detach().clone() for p in params]
+
+
+def fresh_from(values, factory):
+    params = factory()
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            p.copy_(v)
+    return params
+
+
+def roundtrip(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+# ----------------------------------------------------------------------------------------------
+# References written from the spec
+
+def ref_polar_express(G):
+    """SPEC §4.1 step 2 on one matrix, in float64: transpose if tall, Frobenius-normalize, 5 steps."""
+    X = G.double()
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    X = X / (X.norm() * 1.02 + 1e-6)
+    for a, b, c in SPEC_COEFFS:
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if tall else X
+
+
+class RefNorMuon:
+    """One matrix, float64."""
+
+    def __init__(self, p):
+        self.p = p.detach().double().clone()
+        self.label, self.lr_mul, self.wd_mul = p.label, p.lr_mul, p.wd_mul
+        self.M = torch.zeros_like(self.p)
+        self.v = None
+
+    def step(self, grad, lr, wd, mu, beta2):
+        G = grad.double()
+        self.M = self.M + (1 - mu) * (G - self.M)  # M <- lerp(M, G, 1 - mu)
+        U = G + mu * (self.M - G)  # Nesterov: lerp(G, M, mu)
+        rows, cols = U.shape
+        if self.label == "attn":  # Q, K, V, O orthogonalized separately
+            O = torch.cat([ref_polar_express(block) for block in U.split(rows // 4)])
+        else:
+            O = ref_polar_express(U)
+        # per row (mean over columns) for tall/square matrices and gates, per column for wide ones
+        axis = 1 if rows >= cols or self.label == "gate" else 0
+        sq = O.square().mean(dim=axis, keepdim=True)
+        self.v = (1 - beta2) * sq if self.v is None else beta2 * self.v + (1 - beta2) * sq
+        S = O / self.v.sqrt()
+        S = S * (O.norm() / S.norm())  # keep the Frobenius norm of the orthogonalized update
+        eta = lr * math.sqrt(max(1.0, rows / cols)) * self.lr_mul
+        mask = (S * self.p) >= 0
+        self.p = self.p - eta * (wd * self.wd_mul * lr) * mask * self.p - eta * S
+
+
+class RefAdam:
+    """One parameter, float32 moments (DistAdam stores them in bf16: see the tolerance)."""
+
+    def __init__(self, p):
+        self.p = p.detach().float().clone()
+        self.lr_mul, self.wd_mul = p.lr_mul, p.wd_mul
+        self.m = torch.zeros_like(self.p)
+        self.v = torch.zeros_like(self.p)
+        self.t = 0
+
+    def step(self, grad, lr, betas, eps, wd):
+        b1, b2 = betas
+        self.t += 1
+        self.m = b1 * self.m + (1 - b1) * grad
+        self.v = b2 * self.v + (1 - b2) * grad.square()
+        u = (self.m / (1 - b1 ** self.t)) / ((self.v / (1 - b2 ** self.t)).sqrt() + eps)
+        eta = lr * self.lr_mul
+        mask = (u * self.p) >= 0
+        self.p = self.p - eta * (wd * self.wd_mul * lr) * mask * self.p - eta * u
+
+
+# ----------------------------------------------------------------------------------------------
+# 1 process against the references
+
+def test_normuon_matches_single_matrix_reference():
+    g = torch.Generator().manual_seed(3)
+    params = [_param(g, (24, 8), "mlp", lr_mul=2.0),  # tall, shape multiplier sqrt(3)
+              _param(g, (4 * D, D), "attn"),  # 4 blocks of (D, D), multiplier 2
+              _param(g, (3, 12), "gate"),  # gate: per-row statistics although wide
+              _param(g, (8, 24), "mlp")]  # wide: per-column statistics
+    muon = tg.NorMuon(params, **MUON_HP)
+    refs = [RefNorMuon(p) for p in params]
+    for step in range(3):
+        lr, mu = MUON_HP["lr"] * (1 - 0.1 * step), 0.85 + 0.05 * step
+        for group in muon.param_groups:
+            group["lr"], group["momentum"] = lr, mu
+        for i, p in enumerate(params):
+            p.grad = rank_grad(0, step, i, p.shape)
+            refs[i].step(p.grad, lr, MUON_HP["weight_decay"], mu, MUON_HP["beta2"])
+        muon.step()
+        muon.zero_grad()
+        for p, ref in zip(params, refs):
+            eta = lr * math.sqrt(max(1.0, p.shape[0] / p.shape[1])) * p.lr_mul
+            err = (p.double() - ref.p).abs().max().item()
+            # fp32 implementation vs float64 reference: measured max error 6.2e-6 * eta (3 steps);
+            # a wrong axis/coefficient/step size is O(0.1 * eta) or more.
+            assert err <= 1e-4 * eta, (step, p.label, tuple(p.shape), err / eta)
+
+
+def test_normuon_rejects_gate_and_matrix_of_one_shape():
+    g = torch.Generator().manual_seed(4)
+    with pytest.raises(ValueError, match="gate"):
+        tg.NorMuon([_param(g, (3, 12), "gate"), _param(g, (3, 12), "mlp")], **MUON_HP)
+
+
+def test_distadam_matches_reference_adam_and_steps_on_odd_steps_only():
+    params = adam_params()
+    adam = tg.DistAdam(params, **ADAM_HP)
+    refs = [RefAdam(p) for p in params]
+    assert [tg.adam_steps_at(s) for s in range(4)] == [False, True, False, True]
+    pending = [None] * len(params)
+    for step in range(STEPS):
+        lr = ADAM_HP["lr"] * (1 - 0.1 * step)
+        for group in adam.param_groups:
+            group["lr"] = lr
+        before = clone_all(params)
+        adam.sync_grads = tg.adam_steps_at(step)
+        grads = [rank_grad(0, step, 100 + i, p.shape) for i, p in enumerate(params)]
+        sum((p * g).sum() for p, g in zip(params, grads)).backward()  # accumulates into .grad
+        pending = [g if acc is None else acc + g for acc, g in zip(pending, grads)]
+        if tg.adam_steps_at(step):
+            adam.step()
+            adam.zero_grad()
+            for ref, grad in zip(refs, pending):
+                ref.step(grad, lr, **{k: ADAM_HP[k] for k in ("betas", "eps")}, wd=ADAM_HP["weight_decay"])
+            pending = [None] * len(params)
+            for p, b, ref in zip(params, before, refs):
+                assert not torch.equal(p, b), f"Adam did not update {p.label} on odd step {step}"
+                eta = lr * p.lr_mul
+                err = (p - ref.p).abs().max().item()
+                # bf16 moments (8 mantissa bits, ~0.4% relative) vs fp32 reference: measured max
+                # error 0 after 1 step, 0.016 * eta after 2, 0.023 * eta after 3 (value_embed); the
+                # tolerance is 2% of eta per step taken. Missing bias correction (~0.56 eta), missing
+                # eps (~0.5 eta on the tiny rows) or unmasked decay (0.1 * eta * |p|) are far outside it.
+                assert err <= 0.02 * eta * ref.t, (step, p.label, err / eta)
+        else:
+            for p, b in zip(params, before):
+                assert torch.equal(p, b), f"Adam changed {p.label} on even step {step}"
+            assert all(p.grad is not None for p in params)  # gradients kept for the odd step
+    for group in adam.param_groups:
+        assert group["exp_avg"].dtype == torch.bfloat16 and group["exp_avg_sq"].dtype == torch.bfloat16
+        assert group["step"] == STEPS // 2
+
+
+def test_distadam_one_process_accepts_any_first_dim():
+    g = torch.Generator().manual_seed(5)
+    tg.DistAdam([_param(g, (3, 4), "lm_head")], **ADAM_HP)  # world size 1 divides everything
+
+
+def test_save_load_roundtrip_one_process_continues_identically():
+    mparams, aparams = muon_params(), adam_params()
+    muon, adam = make_optimizers(mparams, aparams)
+    grad_fn = lambda step, index, shape: rank_grad(0, step, index, shape)  # noqa: E731
+    train(muon, adam, mparams, aparams, range(RESUME_AT), grad_fn)
+    saved_m, saved_a = clone_all(mparams), clone_all(aparams)
+    state_m, state_a = roundtrip(muon.state_dict()), roundtrip(adam.state_dict())
+    train(muon, adam, mparams, aparams, range(RESUME_AT, STEPS), grad_fn)
+
+    mparams2, aparams2 = fresh_from(saved_m, muon_params), fresh_from(saved_a, adam_params)
+    muon2, adam2 = make_optimizers(mparams2, aparams2)
+    muon2.load_state_dict(state_m)
+    adam2.load_state_dict(state_a)
+    train(muon2, adam2, mparams2, aparams2, range(RESUME_AT, STEPS), grad_fn)
+    for p, q in zip(mparams + aparams, mparams2 + aparams2):
+        assert torch.equal(p, q), p.label
+
+    # without the loaded state the continuation differs (so the comparison above can fail)
+    mparams3, aparams3 = fresh_from(saved_m, muon_params), fresh_from(saved_a, adam_params)
+    muon3, adam3 = make_optimizers(mparams3, aparams3)
+    train(muon3, adam3, mparams3, aparams3, range(RESUME_AT, STEPS), grad_fn)
+    assert not torch.equal(mparams3[0], mparams[0]) and not torch.equal(aparams3[0], aparams[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# 2 processes (gloo) against 1 process on the averaged gradients
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dist_worker(rank, world_size, port, out_dir):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    try:
+        result = {}
+        try:
+            tg.DistAdam([tg.tag(nn.Parameter(torch.zeros(3, 4)), "lm_head")], **ADAM_HP)
+            result["value_error"] = None
+        except ValueError as e:
+            result["value_error"] = str(e)
+
+        # count collectives issued during each backward (i.e. by the post-accumulate-grad hooks)
+        calls = {"n": 0}
+        for name in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor", "broadcast"):
+            original = getattr(dist, name)
+
+            def counting(*args, _original=original, **kwargs):
+                calls["n"] += 1
+                return _original(*args, **kwargs)
+            setattr(dist, name, counting)
+        comm_log = []
+
+        def on_backward(loss, sync):
+            before = calls["n"]
+            loss.backward()
+            comm_log.append((sync, calls["n"] - before))
+
+        grad_fn = lambda step, index, shape: rank_grad(rank, step, index, shape)  # noqa: E731
+        mparams, aparams = muon_params(), adam_params()
+        muon, adam = make_optimizers(mparams, aparams)
+        train(muon, adam, mparams, aparams, range(RESUME_AT), grad_fn, on_backward)
+        result["at_resume"] = clone_all(mparams + aparams)
+        result["state_muon"], result["state_adam"] = muon.state_dict(), adam.state_dict()
+        train(muon, adam, mparams, aparams, range(RESUME_AT, STEPS), grad_fn, on_backward)
+        result["final"] = clone_all(mparams + aparams)
+        result["comm_log"] = comm_log
+
+        saved = result["at_resume"]
+        mparams2 = fresh_from(saved[:len(mparams)], muon_params)
+        aparams2 = fresh_from(saved[len(mparams):], adam_params)
+        muon2, adam2 = make_optimizers(mparams2, aparams2)
+        muon2.load_state_dict(roundtrip(result["state_muon"]))
+        adam2.load_state_dict(roundtrip(result["state_adam"]))
+        train(muon2, adam2, mparams2, aparams2, range(RESUME_AT, STEPS), grad_fn)
+        result["resumed"] = clone_all(mparams2 + aparams2)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_process_results():
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_dist_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def one_process_reference():
+    mparams, aparams = muon_params(), adam_params()
+    muon, adam = make_optimizers(mparams, aparams)
+    train(muon, adam, mparams, aparams, range(RESUME_AT), avg_grad)
+    ref = {"at_resume": clone_all(mparams + aparams), "state_muon": muon.state_dict(),
+           "state_adam": adam.state_dict()}
+    train(muon, adam, mparams, aparams, range(RESUME_AT, STEPS), avg_grad)
+    ref["final"] = clone_all(mparams + aparams)
+    return ref
+
+
+def _labels():
+    return [(p.label, tuple(p.shape)) for p in muon_params() + adam_params()]
+
+
+N_MUON = len(muon_params())
+
+
+def test_two_processes_agree_with_each_other(two_process_results):
+    r0, r1 = two_process_results
+    for key in ("at_resume", "final", "resumed"):
+        for a, b, label in zip(r0[key], r1[key], _labels()):
+            assert torch.equal(a, b), (key, label)
+
+
+@pytest.mark.parametrize("which", ["normuon", "distadam"])
+def test_two_processes_match_one_process_on_averaged_grads(two_process_results, one_process_reference, which):
+    sl = slice(0, N_MUON) if which == "normuon" else slice(N_MUON, None)
+    dist_final = two_process_results[0]["final"][sl]
+    ref_final = one_process_reference["final"][sl]
+    start = (muon_params() + adam_params())[sl]
+    for d, r, p0, label in zip(dist_final, ref_final, start, _labels()[sl]):
+        assert not torch.equal(d, p0.detach()), f"{label} never updated"
+        # bf16-level tolerance (the averaging order differs, DistAdam rounds its moments to bf16, so one
+        # flipped bf16 rounding moves a weight by ~0.004 * eta = 2.4e-4 for the lr_mul-3 table).
+        # Measured: NorMuon max |diff| 0 (bit-identical), DistAdam 6e-8.
+        torch.testing.assert_close(d, r, atol=1e-3, rtol=1e-3, msg=lambda m: f"{label}: {m}")
+
+
+def test_two_process_state_dict_is_the_full_state(two_process_results, one_process_reference):
+    """The gathered state of 2 ranks equals the 1-process state (padding dropped, chunks in order)."""
+    dist_state, ref_state = two_process_results[0], one_process_reference
+    for dg, rg in zip(dist_state["state_muon"]["groups"], ref_state["state_muon"]["groups"]):
+        for key in ("momentum_buffer", "second_moment"):
+            assert dg[key].shape == rg[key].shape, key
+            torch.testing.assert_close(dg[key], rg[key], atol=1e-4, rtol=1e-3)
+    for dg, rg in zip(dist_state["state_adam"]["groups"], ref_state["state_adam"]["groups"]):
+        assert dg["step"] == rg["step"] == RESUME_AT // 2
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert dg[key].dtype == torch.bfloat16 and dg[key].shape == rg[key].shape
+            torch.testing.assert_close(dg[key].float(), rg[key].float(), atol=1e-3, rtol=2e-2)
+
+
+def test_two_process_save_load_continues_identically(two_process_results):
+    for rank, result in enumerate(two_process_results):
+        for a, b, label in zip(result["final"], result["resumed"], _labels()):
+            assert torch.equal(a, b), (rank, label)
+
+
+def test_two_process_state_loads_into_one_process(two_process_results, one_process_reference):
+    """A checkpoint written by 2 ranks resumes on 1 (full, un-sharded state)."""
+    res = two_process_results[0]
+    saved = res["at_resume"]
+    mparams, aparams = fresh_from(saved[:N_MUON], muon_params), fresh_from(saved[N_MUON:], adam_params)
+    muon, adam = make_optimizers(mparams, aparams)
+    muon.load_state_dict(res["state_muon"])
+    adam.load_state_dict(res["state_adam"])
+    train(muon, adam, mparams, aparams, range(RESUME_AT, STEPS), avg_grad)
+    for p, d, label in zip(mparams + aparams, res["final"], _labels()):
+        torch.testing.assert_close(p.detach(), d, atol=1e-3, rtol=1e-3, msg=lambda m: f"{label}: {m}")
+
+
+def test_hooks_communicate_only_on_syncing_steps(two_process_results):
+    log = two_process_results[0]["comm_log"]
+    assert [sync for sync, _ in log] == [tg.adam_steps_at(s) for s in range(STEPS)]
+    for sync, n in log:
+        # one reduce-scatter per Adam parameter on the last micro-step of an odd step, nothing otherwise
+        assert n == (len(adam_params()) if sync else 0), log
+
+
+def test_distadam_rejects_first_dim_not_divisible_by_world_size(two_process_results):
+    message = two_process_results[1]["value_error"]
+    assert message is not None, "DistAdam accepted a (3, 4) parameter on 2 ranks"
+    assert "first dimension" in message and "(3)" in message and "world size 2" in message, message
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter coverage
+
+def _check_coverage(model, record_shapes=False):
+    muon_params_, adam_params_ = tg.split_params_for_optimizers(model)
+    muon = tg.NorMuon(muon_params_, 0.023, 1.2, 0.85)
+    adam = tg.DistAdam(adam_params_, 0.008, (0.65, 0.95), 1e-8, 0.005)
+    owned = [p for g in muon.param_groups for p in g["params"]] + [p for g in adam.param_groups for p in g["params"]]
+    model_ids = [id(p) for p in model.parameters()]
+    assert sorted(id(p) for p in owned) == sorted(model_ids)  # every parameter exactly once
+    assert len(set(map(id, owned))) == len(owned) == len(model_ids)
+    assert {p.label for g in muon.param_groups for p in g["params"]} <= {"attn", "mlp", "gate"}
+    # DistAdam order (SPEC §4.2): lm_head, value embeddings, scalars
+    assert [g["params"][0].label for g in adam.param_groups] == ["lm_head"] + ["value_embed"] * 3 + ["scalars"]
+    for g in muon.param_groups:
+        rows, cols = g["params"][0].shape
+        assert g["shape_mult"] == pytest.approx(math.sqrt(max(1.0, rows / cols)))
+    return muon, adam
+
+
+def test_optimizers_cover_record_model_exactly_once():
+    hp = tg.parse_args([])
+    with torch.device("meta"):
+        model = tg.build_model(hp, 1, torch.device("meta"))
+    muon, adam = _check_coverage(model)
+    big = [g for g in muon.param_groups if tuple(g["params"][0].shape) == (3072, 768)]
+    assert len(big) == 1
+    labels = [p.label for p in big[0]["params"]]
+    # 10 attention layers (one layer is attention-free) + 11 MLP fc + 11 MLP proj = 32 = 4 per rank on 8
+    assert labels.count("attn") == 10 and labels.count("mlp") == 22 and len(labels) % 8 == 0
+    assert big[0]["shape_mult"] == 2.0  # SPEC §4.1 step 4: 3072x768 -> x2
+    assert sorted(p.lr_mul for p in big[0]["params"]) == [1.0] * 21 + [2.0] * 11  # MLP proj lr_mul 2
+    assert [p.lr_mul for g in adam.param_groups for p in g["params"]] == [1.0, 75.0, 75.0, 75.0, 5.0]
+    assert adam.param_groups[-1]["params"][0].wd_mul == 0.0
+
+
+def test_optimizers_cover_cpu_preset_model_exactly_once():
+    hp = tg.parse_args(["--preset", "cpu"])
+    model = tg.build_model(hp, 1, torch.device("cpu"))
+    _check_coverage(model)
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedules of the record configuration (SPEC §5), expected values by hand
+#
+# 1995 scheduled steps in thirds of 665: stage 0 = steps 0..664, 1 = 665..1329, 2 = 1330..1994;
+# extension = 1995..2034 (40 steps).
+# Cooldown over the last 55%: progress s/1995 >= 0.45, i.e. s >= 0.45 * 1995 = 897.75 (first: 898).
+# There the multiplier is w*m + (1-w)*0.1 = 0.1 + w*(m - 0.1) with w = (1 - s/1995)/0.55 = 20(1995-s)/21945:
+#   897:  1.51 (no cooldown yet)
+#   898:  w = 21940/21945 = 0.9997721, 0.1 + 1.41*0.9997721 = 1.5096787
+#   1329: w = 13320/21945 = 0.6069720, 0.1 + 1.41*0.6069720 = 0.9558305
+#   1330: w = 13300/21945 = 20/33     , 0.1 + 1.83*20/33       = 1.2090909
+#   1331: w = 13280/21945 = 0.6051492, 0.1 + 1.83*0.6051492 = 1.2074231
+#   1994: w = 20/21945    = 0.0009114, 0.1 + 1.83*0.0009114 = 0.1016678
+#   1995+: 0.1 (extension)
+# Momentum: 0.85 -> 0.95 over steps 0..300 (0.85 + 0.1*s/300); back towards 0.85 over the last 50
+# steps, starting at 2035 - 50 = 1985: 0.95 - 0.1*(s - 1985)/50:
+#   1994: 0.95 - 0.1*9/50 = 0.932; 1995: 0.93; 2034: 0.95 - 0.1*49/50 = 0.852.
+# Adam steps on odd steps.
+SCHEDULE_TABLE = [
+    # step, stage, batch, window, lr multiplier, momentum, adam steps
+    (0, 0, 131072, 3, 1.0, 0.85, False),
+    (150, 0, 131072, 3, 1.0, 0.90, False),
+    (300, 0, 131072, 3, 1.0, 0.95, False),
+    (664, 0, 131072, 3, 1.0, 0.95, False),
+    (665, 1, 262144, 7, 1.51, 0.95, True),
+    (666, 1, 262144, 7, 1.51, 0.95, False),
+    (897, 1, 262144, 7, 1.51, 0.95, True),
+    (898, 1, 262144, 7, 0.1 + 1.41 * 21940 / 21945, 0.95, False),
+    (1329, 1, 262144, 7, 0.1 + 1.41 * 13320 / 21945, 0.95, True),
+    (1330, 2, 393216, 11, 0.1 + 1.83 * 20 / 33, 0.95, False),
+    (1331, 2, 393216, 11, 0.1 + 1.83 * 13280 / 21945, 0.95, True),
+    (1985, 2, 393216, 11, 0.1 + 1.83 * 200 / 21945, 0.95, True),
+    (1994, 2, 393216, 11, 0.1 + 1.83 * 20 / 21945, 0.932, False),
+    (1995, 3, 393216, 13, 0.1, 0.93, True),
+    (2034, 3, 393216, 13, 0.1, 0.852, False),
+]
+
+
+@pytest.mark.parametrize("row", SCHEDULE_TABLE, ids=[f"step{r[0]}" for r in SCHEDULE_TABLE])
+def test_record_schedule_table(row):
+    step, stage, batch, window, lr_mul, momentum, adam = row
+    hp = tg.parse_args([])
+    assert tg.stage_at(step, hp) == stage
+    assert tg.batch_size_at(step, hp) == batch
+    assert tg.window_blocks_at(step, hp) == window
+    assert tg.lr_multiplier_at(step, hp) == pytest.approx(lr_mul, abs=1e-9)
+    assert tg.muon_momentum_at(step, hp) == pytest.approx(momentum, abs=1e-9)
+    assert tg.adam_steps_at(step) is adam
+
+
+def test_record_schedule_spot_values():
+    hp = tg.parse_args([])
+    # the hand-derived cooldown values above, as decimals
+    assert tg.lr_multiplier_at(898, hp) == pytest.approx(1.5096787, abs=1e-7)
+    assert tg.lr_multiplier_at(1329, hp) == pytest.approx(0.9558305, abs=1e-7)
+    assert tg.lr_multiplier_at(1330, hp) == pytest.approx(1.2090909, abs=1e-7)
+    assert tg.lr_multiplier_at(1331, hp) == pytest.approx(1.2074231, abs=1e-7)
+    assert tg.lr_multiplier_at(1994, hp) == pytest.approx(0.1016678, abs=1e-7)
+    assert tg.stage_first_steps(hp) == [0, 665, 1330, 1995]
+    assert hp.num_scheduled_iterations + hp.num_extension_iterations == 2035
