@@ -16,8 +16,9 @@ Steps (deterministic, byte for byte):
    half of ``--chunk_chars`` is appended to the previous document;
 2. the validation novels (default: Cbronte_Villette_1853, Doyle_Hound_1902, Hardy_Tess_1891,
    Kipling_Kim_1901, Woolf_Lighthouse_1927) are held out whole, their documents kept in
-   file order; the training documents (files in sorted order) are shuffled with
-   ``numpy.random.default_rng(seed).permutation``;
+   the documents of each split (files in sorted order) are shuffled with
+   ``numpy.random.default_rng(seed).permutation`` (train) and ``default_rng(seed + 1)`` (val),
+   so any prefix of the validation shard samples all five held-out novels;
 3. documents are tokenized with fineweb.py's functions (``[50256] + encode_ordinary``) into
    ``novels_val_000000.bin`` and ``novels_train_000001.bin`` (more train shards only if it
    exceeds ``--shard_size``), plus ``manifest.json`` (source, files per split, document and
@@ -215,8 +216,10 @@ def build(texts: dict[str, str], out_dir: str | os.PathLike, enc, *,
     if not split_docs["train"]:
         raise DataError("no training documents: every source novel is held out; check --src and --val")
 
-    perm = np.random.default_rng(seed).permutation(len(split_docs["train"]))
-    ordered = {"val": split_docs["val"], "train": [split_docs["train"][i] for i in perm]}
+    # Both splits are shuffled, so any prefix of the validation shard samples all held-out novels.
+    train_perm = np.random.default_rng(seed).permutation(len(split_docs["train"]))
+    val_perm = np.random.default_rng(seed + 1).permutation(len(split_docs["val"]))
+    ordered = {"val": [split_docs["val"][i] for i in val_perm], "train": [split_docs["train"][i] for i in train_perm]}
 
     out_dir.mkdir(parents=True, exist_ok=True)
     from tqdm import tqdm
@@ -239,7 +242,7 @@ def build(texts: dict[str, str], out_dir: str | os.PathLike, enc, *,
             "documents": len(docs),
             "tokens": writer.total_tokens,
             "chars": split_chars[split],
-            "order": "file order" if split == "val" else f"numpy default_rng({seed}).permutation",
+            "order": f"numpy default_rng({seed if split == 'train' else seed + 1}).permutation",
             "shards": shard_info,
         }
     # remove stale shards of an earlier build with the same prefix
