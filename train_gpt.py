@@ -113,7 +113,7 @@ PRESETS = {
         num_heads=2,
         head_dim=64,
         model_dim=128,
-        num_scheduled_iterations=120,
+        num_scheduled_iterations=108,
         num_extension_iterations=4,
         batch_sizes=(2048, 3072, 4096),
         max_seq_len=1024,
@@ -124,7 +124,8 @@ PRESETS = {
         final_val_window_blocks=8,
         muon_momentum_warmup_steps=20,
         muon_momentum_cooldown_steps=5,
-        val_loss_every=40,
+        adam_lr=0.02,
+        val_loss_every=36,
         warmup_steps=0,
     ),
 }

@@ -249,7 +249,7 @@ def stats_report(paths, target: float = DEFAULT_TARGET, alpha: float = DEFAULT_A
     lines.append(
         f"n={s['n']} mean_loss={s['mean_loss']:.4f} std_loss={_fmt(s['std_loss'], '.4f')} "
         f"p={_fmt_p(s['p'])} (target {target:g}, one-sided t-test) "
-        f"mean_time={s['mean_time_s']:.3f}s std_time={_fmt(s['std_time_s'], '.3f')}s"
+        f"mean_time={s['mean_time_s']:.3f}s std_time={_fmt(s['std_time_s'], '.3f')}{'s' if s['n'] > 1 else ''}"
     )
     if s["n"] < 2:
         lines.append("verdict: need at least 2 runs for the t-test")
