@@ -38,7 +38,7 @@ def tiny(corpus, *extra):
             "--extension_window_blocks", "4", "--final_val_window_blocks", "5", "--num_layers", "9",
             "--model_dim", "64", "--num_heads", "2", "--head_dim", "32", "--cpu_threads", "1",
             "--window_block_tokens", "64", "--grad_accum_base", "1", "--warmup_steps", "0",
-            "--muon_momentum_warmup_steps", "20", "--muon_momentum_cooldown_steps", "5",
+            "--muon_momentum_warmup_steps", "20", "--muon_momentum_cooldown_steps", "5", "--adam_lr", "0.008",
             "--train_files", str(corpus / "synthetic_train_*.bin"), "--val_files", str(corpus / "synthetic_val_*.bin"),
             *map(str, extra)]
 
