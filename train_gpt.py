@@ -192,10 +192,17 @@ def check_hyperparameters(hp):
     for name in ["batch_sizes", "lr_multipliers", "window_blocks"]:
         if len(getattr(hp, name)) != 3:
             raise ConfigError(f"--{name} needs exactly 3 values (one per third of the run), got {getattr(hp, name)}")
-    if min(hp.batch_sizes) <= 0 or min(hp.window_blocks) < 2:
-        raise ConfigError("--batch_sizes must be positive and --window_blocks at least 2 (short window = long // 2)")
+    if min(hp.batch_sizes) <= 0:
+        raise ConfigError(f"--batch_sizes must be positive, got {hp.batch_sizes}")
+    if min(*hp.window_blocks, hp.extension_window_blocks) < 2:
+        raise ConfigError("--window_blocks and --extension_window_blocks must be at least 2 (short window = long // 2 blocks)")
     if hp.val_tokens % hp.val_batch_size:
         raise ConfigError(f"--val_tokens {hp.val_tokens} must be a multiple of --val_batch_size {hp.val_batch_size}")
+    if hp.num_heads * hp.head_dim != hp.model_dim:
+        raise ConfigError(f"--num_heads x --head_dim must equal --model_dim (the merged QKVO weight applies O as a "
+                          f"{hp.model_dim} x {hp.model_dim} map); got {hp.num_heads} x {hp.head_dim} vs {hp.model_dim}")
+    if hp.head_dim % 4:
+        raise ConfigError(f"--head_dim must be a multiple of 4 (half-truncated RoPE splits it in quarters), got {hp.head_dim}")
     longest_window = max(*hp.window_blocks, hp.extension_window_blocks) * hp.window_block_tokens
     if longest_window > hp.max_seq_len:
         raise ConfigError(f"the longest training window ({longest_window} tokens = --window_blocks/--extension_window_blocks "
@@ -503,9 +510,11 @@ def world_info():
 class NorMuon:
     """Momentum -> Polar Express -> per-row/column variance normalization -> cautious decoupled decay.
 
-    Parameters of one shape are stacked; each rank owns a contiguous chunk of the stack (zero-padded
-    so the chunks are equal), receives its gradients by reduce-scatter, updates them, and all-gathers
-    the new weights. Groups are issued smallest first so their communication overlaps later compute.
+    Parameters of one shape are stacked (sorted by label, so a rank's chunk holds contiguous runs of
+    one kind); each rank owns a contiguous chunk of the stack (zero-padded so the chunks are equal),
+    receives its gradients by reduce-scatter, updates them, and all-gathers the new weights. Groups
+    are issued smallest first so their communication overlaps later compute. Gradients, momentum and
+    second moments keep the parameter's dtype (fp32 matrices; bf16 gates on GPU), as in the reference.
     """
 
     def __init__(self, params, lr, weight_decay, momentum, beta2=0.95):
@@ -515,19 +524,24 @@ class NorMuon:
             by_shape.setdefault(tuple(p.shape), []).append(p)
         self.param_groups = []
         for shape, group_params in sorted(by_shape.items(), key=lambda kv: math.prod(kv[0]) * len(kv[1])):
+            group_params = sorted(group_params, key=lambda q: q.label)  # stable: keeps model order per label
             chunk = -(-len(group_params) // self.world_size)
             rows, cols = shape
             is_gate = group_params[0].label == "gate"
             if any((q.label == "gate") != is_gate for q in group_params):
                 raise ValueError(f"NorMuon: gates and matrices share the shape {shape}; give them different shapes")
-            # NorMuon normalizes per row for tall/square matrices and gates, per column for wide matrices.
-            reduce_dim = -1 if rows >= cols or is_gate else -2
+            padding = [0.0] * (chunk * self.world_size - len(group_params))
+
+            def per_param(values, device=group_params[0].device):
+                return torch.tensor(values + padding, dtype=torch.float32, device=device)
+
             self.param_groups.append(dict(
-                params=group_params, lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2,
-                chunk=chunk, reduce_dim=reduce_dim,
-                shape_mult=math.sqrt(max(1.0, rows / cols)),
-                lr_mul=torch.tensor([q.lr_mul for q in group_params] + [0.0] * (chunk * self.world_size - len(group_params))),
-                wd_mul=torch.tensor([q.wd_mul for q in group_params] + [0.0] * (chunk * self.world_size - len(group_params))),
+                params=group_params, lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2, chunk=chunk,
+                # NorMuon normalizes per row for tall/square matrices and gates, per column for wide matrices.
+                reduce_dim=-1 if rows >= cols or is_gate else -2,
+                # step size multiplier sqrt(max(1, rows/cols)) x the parameter's lr_mul (stored shape)
+                lr_scale=per_param([max(1.0, rows / cols) ** 0.5 * q.lr_mul for q in group_params]),
+                wd_scale=per_param([q.wd_mul for q in group_params]),
                 momentum_buffer=None, second_moment=None))
 
     def zero_grad(self):
@@ -540,9 +554,9 @@ class NorMuon:
         start = self.rank * group["chunk"]
         return start, start + group["chunk"], max(0, min(len(group["params"]), start + group["chunk"]) - start)
 
-    def _stack(self, tensors, group, dtype):
+    def _stack(self, tensors, group):
         shape = group["params"][0].shape
-        out = torch.zeros(group["chunk"] * self.world_size, *shape, dtype=dtype, device=tensors[0].device)
+        out = torch.zeros(group["chunk"] * self.world_size, *shape, dtype=tensors[0].dtype, device=tensors[0].device)
         torch.stack(tensors, out=out[: len(tensors)])
         return out
 
@@ -550,7 +564,7 @@ class NorMuon:
     def step(self):
         pending = []
         for group in self.param_groups:
-            grads = self._stack([p.grad.float() for p in group["params"]], group, torch.float32)
+            grads = self._stack([p.grad for p in group["params"]], group)
             if self.world_size > 1:
                 local = grads.new_empty(group["chunk"], *grads.shape[1:])
                 handle = dist.reduce_scatter_tensor(local, grads, op=dist.ReduceOp.AVG, async_op=True)
@@ -574,29 +588,31 @@ class NorMuon:
                 p.copy_(new)
 
     def _update_chunk(self, group, grad):
-        """Steps 1-5 of NorMuon on this rank's chunk; returns the chunk's new weights."""
+        """Steps 1-5 of NorMuon on this rank's chunk (consumed in place); returns the chunk's new weights."""
         start, stop, n_real = self._owned(group)
         params = group["params"][start: start + n_real]
-        device = grad.device
         if group["momentum_buffer"] is None:
             group["momentum_buffer"] = torch.zeros_like(grad)
             moment_shape = list(grad.shape)
             moment_shape[group["reduce_dim"]] = 1
-            group["second_moment"] = torch.zeros(moment_shape, dtype=torch.float32, device=device)
+            group["second_moment"] = grad.new_zeros(moment_shape)
         mu = group["momentum"]
         buf = group["momentum_buffer"]
         buf.lerp_(grad, 1 - mu)
-        nesterov = grad.lerp(buf, mu)
-        update = orthogonalize_stack(nesterov, [p.label for p in params]).float()
-        update = normalize_variance(update, group["second_moment"], group["reduce_dim"], group["beta2"])
-        weights = torch.zeros_like(grad)
+        nesterov = grad.lerp_(buf, mu)
+        update = torch.zeros_like(grad, dtype=polar_dtype(grad.device))
+        for label, lo, hi in label_runs([p.label for p in params]):
+            # the merged attention weight is four matrices (Q, K, V, O) for both steps
+            update[lo:hi] = normuon_direction(nesterov[lo:hi], group["second_moment"][lo:hi], 4 if label == "attn" else 1,
+                                              group["reduce_dim"], group["beta2"])
+        weights = torch.zeros_like(grad, dtype=torch.float32)
         if n_real:
             torch.stack([p.float() for p in params], out=weights[:n_real])
         lr = group["lr"]
-        eta = (lr * group["shape_mult"] * group["lr_mul"][start:stop]).to(device).view(-1, 1, 1)
-        decay = (group["weight_decay"] * lr * group["wd_mul"][start:stop]).to(device).view(-1, 1, 1)
-        mask = (update * weights) >= 0
-        weights.sub_(eta * decay * mask * weights + eta * update)
+        lr_factor = (group["lr_scale"][start:stop] * lr).view(-1, 1, 1)
+        wd_factor = (group["wd_scale"][start:stop] * group["weight_decay"] * lr).view(-1, 1, 1)
+        mask = (update * weights) >= 0  # cautious: decay only where the update agrees with the weight's sign
+        weights = weights - weights * mask * wd_factor * lr_factor - update * lr_factor
         return weights.to(group["params"][0].dtype)
 
     def state_dict(self):
@@ -638,32 +654,44 @@ def gather_chunks(local, world_size):
     return full
 
 
-def orthogonalize_stack(stack, labels):
-    """Polar Express on each matrix of the stack; merged attention weights split into Q, K, V, O.
-    bf16 on GPU; fp32 on CPU, where bf16 matmuls without native support are ~20x slower."""
-    dtype = torch.bfloat16 if stack.is_cuda else torch.float32
-    out = torch.zeros_like(stack, dtype=dtype)
-    n = len(labels)
-    if n == 0:
-        return out
-    attn = [i for i, label in enumerate(labels) if label == "attn"]
-    other = [i for i, label in enumerate(labels) if label != "attn"]
-    if attn:
-        rows, cols = stack.shape[1:]
-        pieces = stack[attn].view(len(attn) * 4, rows // 4, cols)
-        out[attn] = polar_express(pieces, dtype=dtype).view(len(attn), rows, cols)
-    if other:
-        out[other] = polar_express(stack[other], dtype=dtype)
-    return out
+def polar_dtype(device):
+    """bf16 on GPU; fp32 on CPU, where bf16 matmuls without native support are ~20x slower."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def label_runs(labels):
+    """[(label, start, stop)] for the maximal runs of equal consecutive labels."""
+    runs = []
+    for i, label in enumerate(labels):
+        if runs and runs[-1][0] == label:
+            runs[-1][2] = i + 1
+        else:
+            runs.append([label, i, i + 1])
+    return [tuple(run) for run in runs]
+
+
+def normuon_direction(stack, second_moment, pieces, reduce_dim, beta2):
+    """Polar Express, then variance normalization, of a (n, rows, cols) stack of one kind of matrix,
+    each matrix treated as `pieces` row blocks of its own (second_moment is updated in place)."""
+    n, rows, cols = stack.shape
+    if pieces > 1 and reduce_dim != -1:
+        raise ValueError("NorMuon: split matrices must be normalized per row")
+    update = polar_express(stack.reshape(n * pieces, rows // pieces, cols), dtype=polar_dtype(stack.device))
+    moment = second_moment.view(n * pieces, -1, second_moment.size(-1))
+    return normalize_variance(update, moment, reduce_dim, beta2).view(n, rows, cols)
 
 
 def normalize_variance(update, second_moment, reduce_dim, beta2):
-    """NorMuon: divide by a running RMS along one axis, then restore each matrix's Frobenius norm."""
-    second_moment.lerp_(update.square().mean(dim=reduce_dim, keepdim=True), 1 - beta2)
-    scaled = update * second_moment.clamp_min(1e-10).rsqrt()
-    norm_before = update.norm(dim=(-2, -1), keepdim=True)
-    norm_after = scaled.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10)
-    return scaled * (norm_before / norm_after)
+    """NorMuon: divide by a running RMS along one axis, then restore each matrix's Frobenius norm.
+    Norms come from the per-axis means of squares (as the reference computes them); the result keeps
+    the dtype of `update`."""
+    mean_square = update.float().square().mean(dim=reduce_dim, keepdim=True)
+    axis_len = update.size(reduce_dim)
+    norm_before = mean_square.sum(dim=(-2, -1), keepdim=True).mul_(axis_len).sqrt_()
+    second_moment.lerp_(mean_square.to(second_moment.dtype), 1 - beta2)
+    step = second_moment.clamp_min(1e-10).rsqrt()
+    norm_after = ((mean_square * axis_len) * step.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
+    return update * (step * (norm_before / norm_after.clamp_min(1e-10))).type_as(update)
 
 
 class DistAdam:
@@ -725,22 +753,26 @@ class DistAdam:
             handle.wait()
 
     def _adam_update(self, group, grad, weight, p):
-        """Bias-corrected Adam with cautious decay on fp32 copies (weight is consumed in place)."""
+        """The reference's Adam step with cautious decay, in fp32 (moments stored in bf16); `weight` is
+        an fp32 copy of this rank's slice and is updated in place."""
         beta1, beta2 = group["betas"]
         if group["exp_avg"] is None:
             group["exp_avg"] = torch.zeros_like(weight, dtype=torch.bfloat16)
             group["exp_avg_sq"] = torch.zeros_like(weight, dtype=torch.bfloat16)
         group["step"] += 1
-        step, lr = group["step"], group["lr"]
-        exp_avg = group["exp_avg"].float().lerp_(grad, 1 - beta1)
+        t = group["step"]
+        lr = group["lr"] * p.lr_mul  # the parameter's own learning rate
+        exp_avg = group["exp_avg"].float().mul_(beta1).add_(grad, alpha=1 - beta1)
         exp_avg_sq = group["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         group["exp_avg"].copy_(exp_avg)
         group["exp_avg_sq"].copy_(exp_avg_sq)
-        denom = exp_avg_sq.div_(1 - beta2 ** step).sqrt_().add_(group["eps"])
-        update = exp_avg.div_(1 - beta1 ** step).div_(denom)
-        eta = lr * p.lr_mul
-        decay = torch.mul(update, weight).ge_(0).mul_(weight)  # cautious: only where update and weight agree
-        return weight.sub_(decay, alpha=eta * group["weight_decay"] * p.wd_mul * lr).sub_(update, alpha=eta)
+        # eps is added to the uncorrected sqrt(v); both bias corrections live in the step size
+        step_size = lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t))
+        update = exp_avg.div_(exp_avg_sq.sqrt_().add_(group["eps"])).mul_(step_size)
+        mask = (update * weight) >= 0  # cautious: decay only where the update agrees with the weight's sign
+        # decay factor lr * (lr * wd * wd_mul): it follows the square of the parameter's own lr
+        update.addcmul_(weight, mask, value=lr * group["weight_decay"] * p.wd_mul * lr)
+        return weight.sub_(update)
 
     def state_dict(self):
         """Full moments (all ranks' slices gathered); collective when distributed."""
@@ -803,7 +835,8 @@ def layer_roles(num_layers):
 
 class Rotary(nn.Module):
     """Half-truncated RoPE: head_dim/4 frequencies rotate, the other head_dim/4 pairs are position-free.
-    Also owns the softmax scale, since YaRN changes both together."""
+    Also owns the softmax scale, since YaRN changes both together. The scale is kept in float64
+    (the reference keeps it as a Python float) and applied to the fp32 attention scores."""
 
     INITIAL_ATTN_SCALE = 0.1
 
@@ -813,7 +846,7 @@ class Rotary(nn.Module):
         freqs = torch.cat([(1 / 1024) ** torch.linspace(0, 1, quarter), torch.zeros(quarter)])
         self.register_buffer("initial_freqs", freqs, persistent=False)
         self.register_buffer("freqs", freqs.clone())
-        self.register_buffer("attn_scale", torch.tensor(self.INITIAL_ATTN_SCALE))
+        self.register_buffer("attn_scale", torch.tensor(self.INITIAL_ATTN_SCALE, dtype=torch.float64))
 
     @torch.no_grad()
     def reset(self):
@@ -831,8 +864,9 @@ class Rotary(nn.Module):
         self.attn_scale.mul_(0.2 * math.log(new_tokens / old_tokens) + 1)
 
     def cos_sin(self, seq_len):
-        theta = torch.arange(seq_len, device=self.freqs.device, dtype=torch.float32)[:, None] * self.freqs[None, :]
-        return theta.cos()[:, None, :], theta.sin()[:, None, :]
+        """(seq_len, 1, head_dim/2) tables, rounded to bf16 like the reference's cached tables."""
+        theta = torch.outer(torch.arange(seq_len, device=self.freqs.device, dtype=torch.float32), self.freqs)
+        return theta.cos().bfloat16()[:, None, :], theta.sin().bfloat16()[:, None, :]
 
 
 def apply_rotary(x, cos_sin):
@@ -841,16 +875,16 @@ def apply_rotary(x, cos_sin):
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
 
 
-def shift_keys(k, same_doc_as_prev):
-    """On the position-free dims, key t takes key t-1 (within a document): one layer can then
-    match 'the token after X', i.e. an induction head."""
+def shift_keys(k):
+    """On the position-free dims, key t takes key t-1 (position 0 keeps its own): one layer can then
+    match 'the token after X', i.e. an induction head. Like the reference, this does not stop at
+    document starts (the first key of a document carries the previous document's last key)."""
     head_dim = k.size(-1)
     prev = torch.cat([k[:1], k[:-1]])
-    shifted = torch.where(same_doc_as_prev[:, None, None], prev, k)
     free = torch.zeros(head_dim, dtype=torch.bool, device=k.device)
     free[head_dim // 4: head_dim // 2] = True
     free[3 * head_dim // 4:] = True
-    return torch.where(free, shifted, k)
+    return torch.where(free, prev, k)
 
 
 def document_ids(cu_seqlens, seq_len):
@@ -860,8 +894,9 @@ def document_ids(cu_seqlens, seq_len):
 
 
 def sliding_document_mask(docs, window_tokens):
-    """BlockMask for causal attention inside documents over the last `window_tokens` positions.
-    Built from per-tile document ranges, so nothing of size T x T is materialized."""
+    """BlockMask for causal attention inside documents: query t sees keys t - window_tokens ... t
+    (inclusive, like FlashAttention's window_size=(w, 0)). Built from per-tile document ranges, so
+    nothing of size T x T is materialized."""
     seq_len = docs.numel()
     n_blocks = -(-seq_len // ATTN_BLOCK)
     padded = torch.cat([docs, (docs[-1:] + 1).expand(n_blocks * ATTN_BLOCK - seq_len)])
@@ -870,8 +905,8 @@ def sliding_document_mask(docs, window_tokens):
     q = torch.arange(n_blocks, device=docs.device)[:, None]
     k = torch.arange(n_blocks, device=docs.device)[None, :]
     gap = (q - k) * ATTN_BLOCK
-    any_allowed = (k <= q) & (gap - (ATTN_BLOCK - 1) < window_tokens) & (last[k] >= first[q])
-    all_allowed = (k < q) & (gap + (ATTN_BLOCK - 1) < window_tokens) & (first[q] == last[k]) & (first[k] == last[q])
+    any_allowed = (k <= q) & (gap - (ATTN_BLOCK - 1) <= window_tokens) & (last[k] >= first[q])
+    all_allowed = (k < q) & (gap + (ATTN_BLOCK - 1) <= window_tokens) & (first[q] == last[k]) & (first[k] == last[q])
     partial = any_allowed & ~all_allowed
 
     def as_indices(m):
@@ -880,7 +915,7 @@ def sliding_document_mask(docs, window_tokens):
         return counts[None, None].contiguous(), order[None, None].contiguous()
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < window_tokens) & (padded[q_idx] == padded[kv_idx])
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window_tokens) & (padded[q_idx] == padded[kv_idx])
 
     return BlockMask.from_kv_blocks(*as_indices(partial), *as_indices(all_allowed), BLOCK_SIZE=ATTN_BLOCK,
                                     mask_mod=mask_mod, seq_lengths=(seq_len, seq_len))
@@ -888,21 +923,21 @@ def sliding_document_mask(docs, window_tokens):
 
 def local_window_mask(docs, window_tokens):
     """For the CPU path (FlexAttention has no CPU backward): queries in tiles of ATTN_BLOCK, each tile
-    sees the window_tokens - 1 keys before it plus itself; returns (tile mask, keys looked back)."""
+    sees the window_tokens keys before it plus itself; returns (tile mask, keys looked back)."""
     seq_len = docs.numel()
     n_tiles = -(-seq_len // ATTN_BLOCK)
-    lookback = min(window_tokens - 1, seq_len)
+    lookback = min(window_tokens, seq_len)
     # Padding positions get one extra document id, so every query row has at least itself unmasked.
     padded = torch.cat([docs, (docs[-1:] + 1).expand(n_tiles * ATTN_BLOCK - seq_len)])
     q_pos = torch.arange(n_tiles * ATTN_BLOCK, device=docs.device).view(n_tiles, ATTN_BLOCK, 1)
     k_pos = (torch.arange(n_tiles, device=docs.device)[:, None] * ATTN_BLOCK - lookback
              + torch.arange(lookback + ATTN_BLOCK, device=docs.device)[None, :])[:, None, :]
     k_doc = padded[k_pos.clamp_min(0)]
-    allowed = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos - k_pos < window_tokens) & (padded[q_pos] == k_doc)
+    allowed = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos - k_pos <= window_tokens) & (padded[q_pos] == k_doc)
     return allowed[:, None], lookback
 
 
-def local_window_attention(q, k, v, mask):
+def local_window_attention(q, k, v, mask, scale):
     """q, k, v (T, H, D) -> (T, H, D) with the tiles of local_window_mask, via one batched SDPA."""
     allowed, lookback = mask
     seq_len, n_tiles = q.size(0), allowed.size(0)
@@ -913,7 +948,7 @@ def local_window_attention(q, k, v, mask):
         return t.unfold(0, lookback + ATTN_BLOCK, ATTN_BLOCK).permute(0, 1, 3, 2)
 
     q_tiles = F.pad(q, (0, 0, 0, 0, 0, tail)).view(n_tiles, ATTN_BLOCK, *q.shape[1:]).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q_tiles, windows(k), windows(v), attn_mask=allowed, scale=1.0)
+    y = F.scaled_dot_product_attention(q_tiles, windows(k), windows(v), attn_mask=allowed, scale=float(scale))
     return y.transpose(1, 2).reshape(n_tiles * ATTN_BLOCK, *q.shape[1:])[:seq_len]
 
 
@@ -921,11 +956,14 @@ def attention_mask(docs, window_tokens, backend):
     return sliding_document_mask(docs, window_tokens) if backend == "flex" else local_window_mask(docs, window_tokens)
 
 
-def attend(q, k, v, mask, backend):
-    """Causal, in-document, sliding-window attention of (T, H, D) tensors; softmax scale already in q."""
+def attend(q, k, v, mask, backend, scale):
+    """Causal, in-document, sliding-window attention of (T, H, D) tensors. `scale` (a 0-dim tensor)
+    multiplies the fp32 scores, as a softmax scale; as a tensor, YaRN's changes never recompile."""
     if backend == "flex":
-        return flex_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=mask, scale=1.0)[0].transpose(0, 1)
-    return local_window_attention(q, k, v, mask)
+        scale = scale.float()
+        return flex_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=mask, scale=1.0,
+                              score_mod=lambda score, b, h, q_idx, kv_idx: score * scale)[0].transpose(0, 1)
+    return local_window_attention(q, k, v, mask, scale)
 
 
 class Attention(nn.Module):
@@ -935,25 +973,25 @@ class Attention(nn.Module):
         hdim = num_heads * head_dim
         bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
         # Q, K, V and O in one (4*hdim, dim) matrix so it stacks with the MLP weights in NorMuon;
-        # O is stored transposed (used as y @ W_o).
+        # O is applied as F.linear(y, W_o) (rows are output channels), which needs hdim == dim.
         qkvo = torch.empty(4 * hdim, dim).uniform_(-bound, bound)
         qkvo[3 * hdim:].zero_()
         self.qkvo_w = tag(nn.Parameter(qkvo), "attn")
         self.gate_w = tag(nn.Parameter(torch.zeros(num_heads, GATE_INPUTS)), "gate")
 
-    def forward(self, x, lambdas, ve, mask, backend, cos_sin, attn_scale, same_doc_as_prev, key_shift):
+    def forward(self, x, lambdas, ve, mask, backend, cos_sin, attn_scale, key_shift):
         seq_len, hdim = x.size(0), self.num_heads * self.head_dim
         w = self.qkvo_w.type_as(x)
-        q, k, v = (F.linear(x, w[: 3 * hdim]) * lambdas[0]).view(seq_len, 3, self.num_heads, self.head_dim).unbind(1)
+        # the attention lambdas scale the weights (QKV by λ0, O by λ1), as in the reference
+        q, k, v = F.linear(x, lambdas[0] * w[: 3 * hdim]).view(seq_len, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = apply_rotary(norm(q), cos_sin), apply_rotary(norm(k), cos_sin)
         if key_shift:
-            k = shift_keys(k, same_doc_as_prev)
+            k = shift_keys(k)
         if ve is not None:
             v = v + ve.view_as(v)
-        q = q * attn_scale.to(q.dtype)  # scale applied here (not via flex's float arg) so YaRN never recompiles
-        y = attend(q, k, v, mask, backend)
+        y = attend(q, k, v, mask, backend, attn_scale)
         y = y * torch.sigmoid(F.linear(x[:, :GATE_INPUTS], self.gate_w.type_as(x)))[..., None]
-        return (y.reshape(seq_len, hdim) @ w[3 * hdim:]) * lambdas[1]
+        return F.linear(y.reshape(seq_len, hdim), lambdas[1] * w[3 * hdim:])
 
 
 class MLP(nn.Module):
@@ -1008,31 +1046,31 @@ class GPT(nn.Module):
         return dict(resid=s[:n], x0=s[n: 2 * n], attn=s[2 * n: 4 * n].view(n, 2),
                     smear=s[4 * n], backout=s[4 * n + 1], skip=s[4 * n + 2])
 
-    def forward(self, input_seq, target_seq, cu_seqlens, long_window_blocks):
+    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks):
+        """Loss of one packed sequence; window_blocks = (short, long) attention windows in blocks."""
         seq_len = input_seq.numel()
         roles, lam = self.roles, self.scalar_views()
         docs = document_ids(cu_seqlens, seq_len)
-        same_doc_as_prev = torch.cat([docs.new_zeros(1, dtype=torch.bool), docs[1:] == docs[:-1]])
-        long_tokens = long_window_blocks * self.window_block_tokens
-        masks = {long: attention_mask(docs, tokens, self.attention_backend)
-                 for long, tokens in ((True, long_tokens), (False, long_tokens // 2))}
+        short_blocks, long_blocks = window_blocks
+        masks = {long: attention_mask(docs, blocks * self.window_block_tokens, self.attention_backend)
+                 for long, blocks in ((True, long_blocks), (False, short_blocks))}
         cos_sin = self.rotary.cos_sin(seq_len)
 
         x = F.embedding(input_seq, self.lm_head.weight)
-        gate = torch.sigmoid(F.linear(x[1:, :GATE_INPUTS], self.smear_gate_w.type_as(x)))
-        x = torch.cat([x[:1], x[1:] + lam["smear"] * gate * x[:-1] * same_doc_as_prev[1:, None]])
+        # smear: each token's embedding takes a gated share of the previous one (across documents too)
+        gate = lam["smear"] * torch.sigmoid(F.linear(x[1:, :GATE_INPUTS], self.smear_gate_w.type_as(x)))
+        x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
         x = x0 = norm(x)
         ve = [F.embedding(input_seq, table) for table in self.value_embeds]
         skip = backout = None
         for i, block in enumerate(self.blocks):
-            x = lam["resid"][i] * x + lam["x0"][i] * x0
-            if i == roles.attn_free:
+            if i == roles.attn_free:  # the U-net skip lands before this layer's residual scaling
                 x = x + torch.sigmoid(lam["skip"]) * skip
+            x = (lam["resid"][0] + lam["x0"][0]) * x if i == 0 else lam["resid"][i] * x + lam["x0"][i] * x0
             long = i in roles.long_window
             table = roles.value_embed.get(i)
             attn_args = dict(lambdas=lam["attn"][i], ve=None if table is None else ve[table], mask=masks[long],
-                             backend=self.attention_backend,
-                             cos_sin=cos_sin, attn_scale=self.rotary.attn_scale, same_doc_as_prev=same_doc_as_prev,
+                             backend=self.attention_backend, cos_sin=cos_sin, attn_scale=self.rotary.attn_scale,
                              key_shift=long)
             x = block(x, attn_args)
             if i == roles.skip_source:
@@ -1061,10 +1099,11 @@ def initial_scalars(num_layers, world_size):
 def build_model(hp, world_size, device):
     model = GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, world_size,
                 hp.window_block_tokens).to(device)
-    if device.type == "cuda":  # embedding-like weights live in bf16 on GPU
+    if device.type == "cuda":  # embedding-like weights and the gates live in bf16 on GPU, as in the reference
         model.attention_backend = "flex"
         model.fused_cpu_loss = False
-        for p in [model.lm_head.weight, *model.value_embeds]:
+        for p in [model.lm_head.weight, *model.value_embeds, model.smear_gate_w,
+                  *(block.attn.gate_w for block in model.blocks if block.attn is not None)]:
             p.data = p.data.to(torch.bfloat16)
     return model
 
@@ -1323,10 +1362,14 @@ def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144
 # Schedules: everything that changes with the step (record: 1995 scheduled steps in thirds + 40 extension)
 
 
+# The float expressions below follow the reference recipe's schedule functions operation for
+# operation, so every step gets bit-identical values (e.g. int(3 * (step / n)), not 3 * step // n).
+
+
 def stage_at(step, hp):
     """0, 1, 2 for the thirds of the scheduled steps, 3 for the extension."""
     n = hp.num_scheduled_iterations
-    return 3 if step >= n else min(3 * step // n, 2)
+    return 3 if step >= n else int(3 * (step / n))
 
 
 def batch_size_at(step, hp):
@@ -1334,32 +1377,44 @@ def batch_size_at(step, hp):
 
 
 def window_blocks_at(step, hp):
-    return (*hp.window_blocks, hp.extension_window_blocks)[stage_at(step, hp)]
+    """(short, long) attention windows in blocks: short = long // 2 blocks, as in the reference."""
+    long = (*hp.window_blocks, hp.extension_window_blocks)[stage_at(step, hp)]
+    return long // 2, long
+
+
+def final_window_blocks(hp):
+    """The final validation widens only the long window (no YaRN); the short one stays at the extension's."""
+    return hp.extension_window_blocks // 2, hp.final_val_window_blocks
 
 
 def lr_multiplier_at(step, hp):
-    """Stage multiplier, then a linear cooldown over the last cooldown_frac of the scheduled steps
-    from the current multiplier to final_lr_multiplier, which also holds during the extension."""
-    n, stage = hp.num_scheduled_iterations, stage_at(step, hp)
-    if stage == 3:
+    """Stage multiplier (it switches only once progress is strictly past 1/3 and 2/3, one step after
+    the batch size does), then a linear cooldown over the last cooldown_frac of the scheduled steps
+    to final_lr_multiplier, which also holds during the extension."""
+    n = hp.num_scheduled_iterations
+    if step > n:
         return hp.final_lr_multiplier
-    multiplier = hp.lr_multipliers[stage]
     progress = step / n
-    if progress < 1 - hp.cooldown_frac:
-        return multiplier
-    weight = (1 - progress) / hp.cooldown_frac
-    return weight * multiplier + (1 - weight) * hp.final_lr_multiplier
+    multiplier = hp.lr_multipliers[0]
+    if progress > 1 / 3:
+        multiplier = hp.lr_multipliers[1]
+    if progress > 2 / 3:
+        multiplier = hp.lr_multipliers[2]
+    if hp.cooldown_frac > 0 and progress >= 1 - hp.cooldown_frac:
+        weight = (1 - progress) / hp.cooldown_frac
+        return multiplier * weight + (1 - weight) * hp.final_lr_multiplier
+    return multiplier
 
 
 def muon_momentum_at(step, hp):
-    """Linear warm-up from start to end value, and back to the start value over the final steps."""
-    start, end = hp.muon_momentum
-    warm = min(1.0, step / hp.muon_momentum_warmup_steps) if hp.muon_momentum_warmup_steps else 1.0
-    momentum = start + (end - start) * warm
+    """Linear warm-up from start to end value; back to the start value over the final steps."""
+    low, high = hp.muon_momentum
     cooldown_start = hp.num_scheduled_iterations + hp.num_extension_iterations - hp.muon_momentum_cooldown_steps
-    if hp.muon_momentum_cooldown_steps and step >= cooldown_start:
-        momentum -= (momentum - start) * (step - cooldown_start) / hp.muon_momentum_cooldown_steps
-    return momentum
+    if step < hp.muon_momentum_warmup_steps:
+        return low + step / hp.muon_momentum_warmup_steps * (high - low)
+    if step > cooldown_start:
+        return high - (step - cooldown_start) / hp.muon_momentum_cooldown_steps * (high - low)
+    return high
 
 
 def adam_steps_at(step):
@@ -1518,8 +1573,10 @@ class Trainer:
 
     # --- one step -------------------------------------------------------------------------
     def set_window(self, blocks, yarn=True):
-        if blocks != self.window and yarn:
-            self.model.rotary.extend_window(self.window * self.hp.window_block_tokens, blocks * self.hp.window_block_tokens)
+        """blocks = (short, long); YaRN follows the long window's changes."""
+        if blocks[1] != self.window[1] and yarn:
+            tokens = self.hp.window_block_tokens
+            self.model.rotary.extend_window(self.window[1] * tokens, blocks[1] * tokens)
         self.window = blocks
 
     def train_step(self, step):
@@ -1607,7 +1664,7 @@ class Trainer:
             for step in range(first, first + self.hp.warmup_steps):
                 self.train_step(step)
         self.validate(self.window)
-        self.validate(self.hp.final_val_window_blocks)
+        self.validate(final_window_blocks(self.hp))
         self.restore(initial)
         self.model.rotary.reset()
         self.window = window_blocks_at(0, self.hp)
@@ -1639,9 +1696,10 @@ class Trainer:
         self.clock_start = time.perf_counter()
         for step in range(self.step, self.total_steps + 1):
             last = step == self.total_steps
+            self.set_window(window_blocks_at(step, hp))  # a validation at step s sees step s's window
             if last or (hp.val_loss_every and step % hp.val_loss_every == 0):
                 with self.clock_paused():
-                    val_loss = self.validate(hp.final_val_window_blocks if last else self.window)
+                    val_loss = self.validate(final_window_blocks(hp) if last else self.window)
                     val_losses.append((step, val_loss))
                     self.log(f"step:{step}/{self.total_steps} val_loss:{val_loss:.4f} "
                              f"train_time:{self.training_time_ms:.0f}ms step_avg:{self.training_time_ms / max(step, 1):.2f}ms")

@@ -81,7 +81,7 @@ def _fwd_bwd(model, compiled, batch, window_blocks):
 def test_record_compiled_fwd_bwd_and_fp8_vs_bf16(record_model):
     hp, model, compiled = record_model
     batch = _packed_batch(TOKENS, hp.vocab_size)
-    window = hp.window_blocks[0]
+    window = tg.window_blocks_at(0, hp)
     results = {}
     for fp8 in (False, True):
         model.use_fp8 = fp8
@@ -137,12 +137,16 @@ def test_polar_express_triton_vs_torch_speed():
     assert ms_triton < ms_torch
 
 
+SCALE = 0.12
+
+
 def _naive_attention(q, k, v, docs, window):
+    """Inclusive window: q - kv <= window (FlashAttention's window_size=(window, 0))."""
     T = q.size(0)
     pos = torch.arange(T, device=q.device)
     delta = pos[:, None] - pos[None, :]
-    allowed = (docs[:, None] == docs[None, :]) & (delta >= 0) & (delta < window)
-    scores = torch.einsum("thd,shd->hts", q.float(), k.float()).masked_fill(~allowed, float("-inf"))
+    allowed = (docs[:, None] == docs[None, :]) & (delta >= 0) & (delta <= window)
+    scores = (torch.einsum("thd,shd->hts", q.float(), k.float()) * SCALE).masked_fill(~allowed, float("-inf"))
     return torch.einsum("hts,shd->thd", scores.softmax(-1), v.float())
 
 
@@ -156,7 +160,7 @@ def test_compiled_flex_matches_naive(T, bounds, window):
     mask = tg.sliding_document_mask(docs, window)
     attend = torch.compile(tg.attend, dynamic=False, fullgraph=True)
     leaves = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
-    y = attend(*leaves, mask, "flex")
+    y = attend(*leaves, mask, "flex", torch.tensor(SCALE, dtype=torch.float64, device=DEVICE))
     gy = torch.randn(y.shape, device=DEVICE, generator=g)
     grads = torch.autograd.grad(y, leaves, gy.to(y.dtype))
     ref_leaves = [t.detach().float().requires_grad_() for t in leaves]

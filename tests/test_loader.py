@@ -402,7 +402,7 @@ def test_tiny_model_learns_synthetic_corpus(tmp_path, one_thread):
     def val_loss():
         model.eval()
         with torch.no_grad():
-            losses = [model(lut[x.long()], lut[y], cu, 4).item()
+            losses = [model(lut[x.long()], lut[y], cu, (1, 4)).item()
                       for x, y, cu in tg.validation_batches(val_pattern, 8192, 1024, 0, 1, 1, CPU)]
         model.train()
         return sum(losses) / len(losses)

@@ -248,7 +248,7 @@ def test_warm_up_restores_everything(corpus, tmp_path, restore_threads):
     after = clone_state(trainer)
     assert_same(before, after)
     assert torch.equal(trainer.model.rotary.freqs, trainer.model.rotary.initial_freqs)
-    assert torch.equal(trainer.model.rotary.attn_scale, torch.tensor(tg.Rotary.INITIAL_ATTN_SCALE))
+    assert torch.equal(trainer.model.rotary.attn_scale, torch.tensor(tg.Rotary.INITIAL_ATTN_SCALE, dtype=torch.float64))
 
 
 # ----------------------------------------------------------------------------------------------
