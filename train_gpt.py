@@ -13,12 +13,14 @@ import dataclasses
 import glob
 import hashlib
 import io
+import json
 import math
 import os
 import platform
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field, fields
@@ -1121,6 +1123,7 @@ def split_params_for_optimizers(model):
 # Data: .bin shards, BOS-aligned distributed batches, validation batches, a synthetic corpus
 
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
+GPT2_VOCAB_SIZE = 50257  # shard token ids are GPT-2 ids
 BOS_SYNC_TOKENS = 4_000_000  # index this many tokens before returning; the rest in the background
 
 
@@ -1128,42 +1131,67 @@ class DataError(ValueError):
     """Missing or corrupt data; main() prints it as one line."""
 
 
-def read_shard(path):
-    """Tokens of a .bin shard as uint16, after checking the header against the file size."""
+def read_shard(path, vocab_size=None, max_tokens=None):
+    """Tokens of a .bin shard as uint16, after checking the header against the file size; with
+    vocab_size, every id read must be below it; with max_tokens, only that prefix is read."""
     path = Path(path)
-    size = path.stat().st_size
     header_bytes = SHARD_HEADER_INTS * 4
-    if size < header_bytes:
-        raise DataError(f"{path}: corrupt shard: {size} bytes is shorter than the {header_bytes}-byte header")
-    with path.open("rb") as f:
-        header = np.frombuffer(f.read(header_bytes), dtype="<i4")
-        if header[0] != SHARD_MAGIC:
-            raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a speedrun/llm.c token shard")
-        if header[1] != SHARD_VERSION:
-            raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
-        n = int(header[2])
-        expected = header_bytes + 2 * n
-        if size != expected:
-            what = "truncated" if size < expected else "oversized"
-            raise DataError(f"{path}: {what} shard: header says {n} tokens ({expected} bytes) but the file has {size} bytes; "
-                            f"re-download or re-tokenize it")
-        tokens = np.frombuffer(f.read(), dtype="<u2")
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            header = np.frombuffer(f.read(header_bytes), dtype="<i4")
+            if size < header_bytes:
+                raise DataError(f"{path}: corrupt shard: {size} bytes is shorter than the {header_bytes}-byte header")
+            if header[0] != SHARD_MAGIC:
+                raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a GPT-2 token shard")
+            if header[1] != SHARD_VERSION:
+                raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+            n = int(header[2])
+            if n < 0:
+                raise DataError(f"{path}: corrupt shard: negative token count {n} in the header")
+            expected = header_bytes + 2 * n
+            if size != expected:
+                what = "truncated" if size < expected else "oversized"
+                raise DataError(f"{path}: {what} shard: header says {n} tokens ({expected} bytes) but the file has "
+                                f"{size} bytes; re-download or re-tokenize it")
+            count = n if max_tokens is None else min(n, max_tokens)
+            tokens = np.frombuffer(f.read(2 * count), dtype="<u2")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read shard ({e.strerror or e})") from None
+    if vocab_size is not None and tokens.size and tokens.max() >= vocab_size:
+        position = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"{path}: token id {tokens[position]} at position {position} is not below the vocabulary "
+                        f"size {vocab_size}")
     return tokens
 
 
 def write_shard(path, tokens):
-    """Write tokens (ids < 2**16) as a .bin shard atomically (temp file + rename)."""
+    """Write GPT-2 token ids as a .bin shard atomically: a unique temp file in the same folder,
+    removed on failure, renamed into place on success."""
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2 ** 16):
-        raise DataError(f"{path}: token ids must fit in uint16")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= GPT2_VOCAB_SIZE):
+        bad = tokens.min() if tokens.min() < 0 else tokens.max()
+        raise DataError(f"{path}: refusing to write token id {bad}: ids must be in [0, {GPT2_VOCAB_SIZE})")
     header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
     header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
-    os.replace(tmp, path)
+    write_atomically(Path(path), header.tobytes() + tokens.astype("<u2").tobytes())
+
+
+def write_atomically(path, data):
+    """Write bytes via a unique temp file next to `path`, fsync, rename: readers see the old file or
+    the new one, never a part; the temp file is removed if anything fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 class BosIndex:
@@ -1437,16 +1465,20 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L
 
 
 class RunLog:
-    """Rank 0 writes lines to stdout and logs/<run_id>.txt; other ranks stay quiet."""
+    """Rank 0 writes lines to stdout and logs/<run_id>.txt; other ranks stay quiet. The log starts
+    with the script, a separator, the environment (with the script's sha256, so a log whose script
+    was cut short or edited is detected) and another separator."""
 
     def __init__(self, path, enabled):
         self.path, self.enabled = path, enabled
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
             source = Path(__file__).read_text(encoding="utf-8")
+            source = source if source.endswith("\n") else source + "\n"
+            digest = hashlib.sha256(source.encode("utf-8")).hexdigest()
             with path.open("w", encoding="utf-8") as f:
-                f.write(source if source.endswith("\n") else source + "\n")
-                f.write(SEPARATOR + "\n" + environment_report() + SEPARATOR + "\n")
+                f.write(source)
+                f.write(f"{SEPARATOR}\n{environment_report()}script_sha256 {digest}\n{SEPARATOR}\n")
 
     def __call__(self, line, console=True):
         if not self.enabled:
@@ -1474,18 +1506,11 @@ def script_sha256():
 
 
 def save_checkpoint(path, payload):
-    """Atomic: serialize, hash, write a temp file, fsync, rename. A crash leaves the old file intact."""
+    """Serialize, checksum, write atomically: a crash leaves the previous file intact."""
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(CHECKPOINT_MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomically(Path(path), CHECKPOINT_MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
 
 
 def load_checkpoint(path):
@@ -1534,7 +1559,7 @@ def resolve_data(hp, rank):
 class Trainer:
     """Holds the run's moving parts; run() is the timed loop of SPEC §6."""
 
-    def __init__(self, hp, argv_text=""):
+    def __init__(self, hp, argv=()):
         self.hp = hp
         self.rank, self.world_size, self.device = setup_distributed(hp)
         self.accum = grad_accum_steps(hp, self.world_size)
@@ -1543,7 +1568,7 @@ class Trainer:
         tokens_per_rank(hp.val_batch_size, self.world_size, self.accum, what="--val_batch_size")
         self.run_id = hp.run_id or str(uuid.uuid4())
         self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0)
-        self.log(f"args: {argv_text}", console=False)
+        self.log(f"args: {json.dumps(list(argv))}", console=False)
         self.log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
         self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
         train_pattern, self.val_pattern = resolve_data(hp, self.rank)
@@ -1779,11 +1804,23 @@ def model_flops_per_token(model, hp):
     return 6 * matmul + 12 * attn_layers * hp.num_heads * hp.head_dim * keys
 
 
+def portable_argv(argv):
+    """The command-line arguments with data paths under the working folder made relative to it, so
+    a log (and a replay of it) does not name this machine's folders."""
+    out, here = [], Path.cwd()
+    for i, arg in enumerate(argv):
+        if i and argv[i - 1] in ("--train_files", "--val_files", "--resume") and os.path.isabs(arg):
+            with contextlib.suppress(ValueError):
+                arg = str(Path(arg).relative_to(here))
+        out.append(arg)
+    return out
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     try:
         hp = parse_args(argv)
-        trainer = Trainer(hp, " ".join(argv))
+        trainer = Trainer(hp, portable_argv(argv))
         return trainer.run()
     except (ConfigError, DataError, FloatingPointError) as e:
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
