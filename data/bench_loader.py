@@ -8,34 +8,54 @@ longer than max_seq_len) into a temporary folder and measures, for the record sh
   - rank 0 of 8 ranks: 49,152 tokens per call (what one process of an 8-GPU run asks for),
   - 1 rank: 393,216 tokens per call (one process doing the whole step),
 in tokens per second of this process (the tokens it receives), shard crossings included.
-Requirement: >= 5 million tokens/s per process.
+Requirement: >= 5 million tokens/s per process; exit status 0 if it is met, 1 if not.
+Bad flags, a corpus too small for a batch, or a failure to write the temporary shards print
+one line ``bench_loader.py: error: ...`` on stderr and exit with status 2.
+
+The loader is the trainer's own: ``train_gpt.py`` one folder up, imported from its file.
 """
 
-import argparse
+import importlib.util
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train_gpt as tg  # noqa: E402
+from shards import BOS_ID, CliParser, describe_os_error, exit_with_error
 
+PROG = "bench_loader.py"
+TRAINER = Path(__file__).resolve().parents[1] / "train_gpt.py"
 REQUIRED = 5e6
+
+
+def load_trainer():
+    """The ``train_gpt`` module of this repository (already imported, or loaded from TRAINER)."""
+    if "train_gpt" in sys.modules:
+        return sys.modules["train_gpt"]
+    spec = importlib.util.spec_from_file_location("train_gpt", TRAINER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_gpt"] = module  # before running it, as `import` does (dataclasses look it up)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["train_gpt"]
+        raise
+    return module
 
 
 def write_corpus(folder, total_tokens, n_shards, seed=0):
     """BOS-started documents, log-normal lengths (median ~600, mean ~1000), random GPT-2 ids."""
+    tg = load_trainer()
     rng = np.random.default_rng(seed)
     lengths = []
     while sum(lengths) < total_tokens:
         lengths.extend(np.maximum(2, rng.lognormal(6.4, 1.0, size=100_000).astype(np.int64)).tolist())
     lengths = np.array(lengths)
     lengths = lengths[: np.searchsorted(np.cumsum(lengths), total_tokens) + 1]
-    tokens = rng.integers(0, tg.BOS_ID, size=int(lengths.sum()), dtype=np.uint16)
-    tokens[np.cumsum(lengths) - lengths] = tg.BOS_ID
+    tokens = rng.integers(0, BOS_ID, size=int(lengths.sum()), dtype=np.uint16)
+    tokens[np.cumsum(lengths) - lengths] = BOS_ID
     tokens = tokens[:total_tokens]
     paths = []
     for i, part in enumerate(np.array_split(tokens, n_shards)):
@@ -46,25 +66,54 @@ def write_corpus(folder, total_tokens, n_shards, seed=0):
 
 
 def measure(pattern, rank, world, rank_tokens, max_seq_len, seconds):
+    import torch
+
+    tg = load_trainer()
     start = time.perf_counter()
     loader = tg.TrainLoader(pattern, rank, world, torch.device("cpu"), cycle=True)
     setup = time.perf_counter() - start
-    loader.next_batch(rank_tokens, max_seq_len)  # first call
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        loader.next_batch(rank_tokens, max_seq_len)
-        calls += 1
-    elapsed = time.perf_counter() - start
+    try:
+        loader.next_batch(rank_tokens, max_seq_len)  # first call
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            loader.next_batch(rank_tokens, max_seq_len)
+            calls += 1
+        elapsed = time.perf_counter() - start
+    finally:
+        loader.close()
     return setup, calls, calls * rank_tokens / elapsed, loader.epoch
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CliParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=20_000_000, help="corpus size (default 20M)")
     parser.add_argument("--shards", type=int, default=2, help="number of shards (default 2, so batches cross shards)")
     parser.add_argument("--seconds", type=float, default=5.0, help="measuring time per configuration")
     parser.add_argument("--max_seq_len", type=int, default=2048)
     args = parser.parse_args(argv)
+    for flag, value in (("--tokens", args.tokens), ("--shards", args.shards), ("--seconds", args.seconds),
+                        ("--max_seq_len", args.max_seq_len)):
+        if not value > 0:
+            parser.error(f"{flag} {value}: must be positive")
+    if args.shards > args.tokens:
+        parser.error(f"--shards {args.shards}: more shards than --tokens {args.tokens}")
+    try:
+        tg = load_trainer()
+    except ImportError as e:
+        exit_with_error(PROG, f"cannot import {TRAINER} ({e}); pip install -r requirements.txt")
+    except OSError as e:
+        exit_with_error(PROG, f"cannot load the trainer ({describe_os_error(e)})")
+    try:
+        return run(args)
+    except tg.DataError as e:
+        exit_with_error(PROG, f"{e}; pass a larger --tokens or fewer --shards")
+    except OSError as e:
+        exit_with_error(PROG, describe_os_error(e))
+
+
+def run(args):
+    import torch
+
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()

@@ -7,23 +7,20 @@ fetches ``fineweb_val_000000.bin`` and ``fineweb_train_000001.bin`` ...
 repo ``kjj0/fineweb10B-gpt2`` into ``data/fineweb10B/`` (next to this script) or ``--dir``.
 
 Files that are already present and valid (header and size checked, see shards.py) are
-skipped; invalid ones are deleted and downloaded again. If the Hub cannot be reached or a
-download fails, the script prints one line to stderr and exits with status 1.
+skipped; invalid ones are deleted and downloaded again. If the Hub cannot be reached, a
+download fails or ``--dir`` cannot be written, the script prints one line
+``cached_fineweb10B.py: error: ...`` to stderr and exits with status 2 (as for a bad flag).
 ``HF_ENDPOINT`` / ``HF_TOKEN`` and the other huggingface_hub environment variables apply.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-if str(_HERE) not in sys.path:
-    sys.path.insert(0, str(_HERE))
+from shards import CliParser, DataError, describe_os_error, exit_with_error, validate_shard
 
-from shards import ShardError, validate_shard  # noqa: E402
+_HERE = Path(__file__).resolve().parent
 
 PROG = "cached_fineweb10B.py"
 REPO_ID = "kjj0/fineweb10B-gpt2"
@@ -50,7 +47,7 @@ def is_valid(path: Path) -> bool:
     try:
         validate_shard(path, check_tokens=False)
         return True
-    except (ShardError, OSError):
+    except DataError:
         return False
 
 
@@ -116,14 +113,16 @@ def fetch(num_train: int = DEFAULT_NUM_TRAIN, dest_dir: Path = DEFAULT_DIR,
             os.replace(got, path)
         try:
             validate_shard(path, check_tokens=False)
-        except (ShardError, OSError) as e:
+        except DataError as e:
             raise DownloadError(name, f"downloaded file is invalid: {e}") from None
         paths.append(path)
     return paths
 
 
 def main(argv=None) -> list[Path]:
-    parser = argparse.ArgumentParser(
+    """Run the CLI. On a bad flag, an unusable --dir or a failed download it prints one line
+    ``cached_fineweb10B.py: error: ...`` on stderr and exits with status 2."""
+    parser = CliParser(
         prog=PROG,
         description=f"Download FineWeb-10B GPT-2 token shards from the HF dataset {REPO_ID}.")
     parser.add_argument("num_train", nargs="?", type=int, default=DEFAULT_NUM_TRAIN, metavar="N",
@@ -135,14 +134,14 @@ def main(argv=None) -> list[Path]:
     args = parser.parse_args(argv)
     if args.num_train < 0:
         parser.error(f"N must be >= 0, got {args.num_train}")
+    if Path(args.dir).exists() and not Path(args.dir).is_dir():
+        parser.error(f"--dir {args.dir}: not a directory")
     try:
         paths = fetch(args.num_train, Path(args.dir), progress=not args.quiet)
     except DownloadError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        sys.exit(1)
+        exit_with_error(PROG, e)
     except OSError as e:
-        print(f"{PROG}: {e}; check --dir", file=sys.stderr)
-        sys.exit(1)
+        exit_with_error(PROG, f"{describe_os_error(e)}; check --dir")
     if not args.quiet:
         print(f"{len(paths)} shard(s) ready in {args.dir}")
     return paths

@@ -16,7 +16,11 @@ first use), or offline with ``--bpe PATH`` pointing to the ``r50k_base.tiktoken`
 Tokens go into fixed-size shards (``--shard_size``, default 10**8 tokens); documents may
 straddle shard ends. The first shard written is the validation shard
 ``{prefix}_val_000000.bin``, then ``{prefix}_train_000001.bin``, ``..._000002.bin``, ...;
-the final partial shard is written too.
+the final partial shard is written too. An input of no more than ``--shard_size`` tokens
+(which would give a validation shard and no training shard) is an error: nothing is written.
+
+Errors (bad flags, unreadable or malformed input, offline failures, an unwritable ``--out``)
+print one line ``fineweb.py: error: ...`` on stderr and exit with status 2.
 
 Examples::
 
@@ -35,18 +39,15 @@ import base64
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
-_HERE = Path(__file__).resolve().parent
-if str(_HERE) not in sys.path:
-    sys.path.insert(0, str(_HERE))
+from shards import (BOS_ID, GPT2_VOCAB_SIZE, CliParser, DataError, describe_os_error, exit_with_error,
+                    write_shard)
 
-import shards  # noqa: E402  (data/shards.py)
-from shards import BOS, ShardError, write_shard  # noqa: E402,F401
+_HERE = Path(__file__).resolve().parent
 
 PROG = "fineweb.py"
 R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -57,10 +58,6 @@ GPT2_PAT_STR = (
 ENDOFTEXT = "<|endoftext|>"
 DEFAULT_SHARD_SIZE = 10**8
 DEFAULT_OUT = _HERE / "fineweb10B"
-
-
-class DataError(Exception):
-    """Bad input (file, flag, tokenizer); the message is one line naming it and the fix."""
 
 
 # --------------------------------------------------------------------------- encoding
@@ -92,12 +89,15 @@ def load_bpe_ranks(bpe_path: str | os.PathLike, expected_sha256: str = R50K_SHA2
 
 def load_encoding(bpe_path: str | os.PathLike | None = None):
     """The GPT-2 tiktoken encoding: from ``bpe_path`` (offline) or ``get_encoding("gpt2")``."""
-    import tiktoken
+    try:
+        import tiktoken
+    except ImportError:
+        raise DataError("tokenizing needs the 'tiktoken' package: pip install tiktoken") from None
 
     if bpe_path is not None:
         ranks = load_bpe_ranks(bpe_path)
         return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=ranks,
-                                 special_tokens={ENDOFTEXT: BOS})
+                                 special_tokens={ENDOFTEXT: BOS_ID})
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # network / cache problems
@@ -121,10 +121,10 @@ def encode_document(text: str, enc=None) -> np.ndarray:
     enc = _worker_enc if enc is None else enc
     ids = enc.encode_ordinary(text)
     out = np.empty(len(ids) + 1, dtype=np.int64)
-    out[0] = BOS
+    out[0] = BOS_ID
     out[1:] = ids
-    if out.size > 1 and (out[1:].max() >= shards.VOCAB_SIZE or out[1:].min() < 0):
-        raise DataError(f"encoding produced a token id outside [0, {shards.VOCAB_SIZE}); "
+    if out.size > 1 and (out[1:].max() >= GPT2_VOCAB_SIZE or out[1:].min() < 0):
+        raise DataError(f"encoding produced a token id outside [0, {GPT2_VOCAB_SIZE}); "
                         f"use the GPT-2 encoding")
     return out.astype(np.uint16)
 
@@ -156,6 +156,10 @@ class ShardWriter:
     names every shard with that split. Shards hold exactly ``shard_size`` tokens, except
     the last one (written by :meth:`close`), which may be shorter. Documents straddle
     shard boundaries.
+
+    In the FineWeb layout the validation shard is written only once more than ``shard_size``
+    tokens have arrived, so that a training shard follows it: if the whole input has no more
+    than ``shard_size`` tokens, :meth:`close` raises :class:`DataError` and nothing is written.
     """
 
     def __init__(self, out_dir, prefix: str = "fineweb", shard_size: int = DEFAULT_SHARD_SIZE,
@@ -185,6 +189,11 @@ class ShardWriter:
         self.paths.append(path)
         self.index += 1
 
+    def _needed(self) -> int:
+        """Tokens to buffer before the next full shard is written: one more than a shard for
+        the FineWeb layout's validation shard, so that a training shard is sure to follow."""
+        return self.shard_size + (1 if self.split is None and not self.paths else 0)
+
     def add(self, tokens) -> list[Path]:
         """Append tokens; write every shard that became full. Returns the new paths."""
         if self._closed:
@@ -194,10 +203,10 @@ class ShardWriter:
         self._parts.append(tokens)
         self._buffered += int(tokens.size)
         written = []
-        if self._buffered >= self.shard_size:
+        if self._buffered >= self._needed():
             buf = np.concatenate(self._parts)
             start = 0
-            while buf.size - start >= self.shard_size:
+            while buf.size - start >= self._needed():
                 self._write(buf[start:start + self.shard_size])
                 written.append(self.paths[-1])
                 start += self.shard_size
@@ -209,6 +218,11 @@ class ShardWriter:
     def close(self) -> list[Path]:
         """Write the final partial shard (if any tokens are left); return all paths."""
         if not self._closed:
+            if self._buffered and self.split is None and not self.paths:
+                n = self.total_tokens
+                raise DataError(f"the input has only {n:,} tokens, which would all go into the validation "
+                                f"shard (--shard_size {self.shard_size:,}) and leave no training shard; "
+                                f"nothing written; pass a --shard_size below {n:,} or more input")
             if self._buffered:
                 self._write(np.concatenate(self._parts))
             self._parts, self._buffered, self._closed = [], 0, True
@@ -345,7 +359,7 @@ def iter_hf_documents(dataset: str = "HuggingFaceFW/fineweb", name: str | None =
 # --------------------------------------------------------------------------- CLI
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CliParser(
         prog=PROG,
         description="Tokenize text (FineWeb sample-10BT by default, or local .txt/.jsonl files) "
                     "into GPT-2 token shards; the first shard is validation.",
@@ -372,13 +386,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None, enc=None) -> list[Path]:
-    """Run the CLI; ``enc`` may be injected (tests). Exits with a one-line error on bad input."""
+    """Run the CLI; ``enc`` may be injected (tests). On bad flags or input it prints one line
+    ``fineweb.py: error: ...`` on stderr and exits with status 2."""
     args = build_parser().parse_args(argv)
     try:
         if args.shard_size <= 0:
             raise DataError(f"--shard_size {args.shard_size}: must be a positive number of tokens")
         if args.max_tokens is not None and args.max_tokens <= 0:
             raise DataError(f"--max_tokens {args.max_tokens}: must be positive")
+        if args.max_tokens is not None and args.max_tokens <= args.shard_size:
+            raise DataError(f"--max_tokens {args.max_tokens:,} is not more than --shard_size {args.shard_size:,}: "
+                            f"every token would go into the validation shard and no training shard would be "
+                            f"written; raise --max_tokens or lower --shard_size")
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise DataError(f"--out {args.out}: not a directory")
         if args.workers < 1:
             raise DataError(f"--workers {args.workers}: must be >= 1")
         separator = decode_separator(args.separator)
@@ -396,15 +417,12 @@ def main(argv=None, enc=None) -> list[Path]:
                   disable=args.quiet) as bar:
             paths = write_documents(tokenize_documents(docs, enc, args.workers), writer,
                                     progress=bar, max_tokens=args.max_tokens)
-    except (DataError, ShardError) as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        sys.exit(2)
+    except DataError as e:
+        exit_with_error(PROG, e)
     except OSError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(PROG, describe_os_error(e))
     if not paths:
-        print(f"{PROG}: no documents found; nothing written", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(PROG, "no documents found; nothing written")
     if not args.quiet:
         print(f"wrote {writer.total_tokens:,} tokens in {len(paths)} shard(s) to {args.out}")
     return paths

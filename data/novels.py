@@ -12,17 +12,30 @@ Steps (deterministic, byte for byte):
 1. every novel is normalized (UTF-8, BOM dropped, CRLF -> LF, trailing whitespace of each
    line removed, leading/trailing blank lines removed) and cut into ~4,000-character
    documents at line boundaries: lines are collected until they (counting one newline
-   each) reach ``--chunk_chars``; each document is stripped; a last piece shorter than
-   half of ``--chunk_chars`` is appended to the previous document;
-2. the validation novels (default: Cbronte_Villette_1853, Doyle_Hound_1902, Hardy_Tess_1891,
-   Kipling_Kim_1901, Woolf_Lighthouse_1927) are held out whole, their documents kept in
-   the documents of each split (files in sorted order) are shuffled with
-   ``numpy.random.default_rng(seed).permutation`` (train) and ``default_rng(seed + 1)`` (val),
-   so any prefix of the validation shard samples all five held-out novels;
-3. documents are tokenized with fineweb.py's functions (``[50256] + encode_ordinary``) into
-   ``novels_val_000000.bin`` and ``novels_train_000001.bin`` (more train shards only if it
-   exceeds ``--shard_size``), plus ``manifest.json`` (source, files per split, document and
-   token counts, sha256 of every shard) in ``--out`` (default: data/novels/ next to this script).
+   each) reach ``--chunk_chars``; each document is stripped and empty ones are dropped; a
+   last document shorter than half of ``--chunk_chars`` is appended to the previous one;
+2. the validation novels (``--val``; default: Cbronte_Villette_1853, Doyle_Hound_1902,
+   Hardy_Tess_1891, Kipling_Kim_1901, Woolf_Lighthouse_1927) are held out whole: all their
+   documents go to the validation split, every other novel's to the training split. Each
+   split's documents are listed novel by novel (novels in sorted name order, each novel's
+   documents in text order) and that list is then shuffled, which is all ``--seed`` does:
+   the training documents are put in the order ``numpy.random.default_rng(seed).permutation``
+   and the validation documents in the order ``default_rng(seed + 1).permutation``. The seed
+   changes neither the documents nor which novels are held out, only the order of the
+   documents in the shards. (Shuffling the validation documents makes any prefix of the
+   validation shard sample all held-out novels.)
+3. the documents are tokenized with fineweb.py's functions (``[50256] + encode_ordinary``)
+   into ``novels_val_000000.bin`` and ``novels_train_000001.bin`` in ``--out`` (default:
+   data/novels/ next to this script); a split of more than ``--shard_size`` tokens continues
+   in ``novels_val_000001.bin`` / ``novels_train_000002.bin`` and so on. Shards of an earlier
+   build with the same prefix that this build did not write are deleted, and
+   ``manifest.json`` records the source, the files per split, document and token counts and
+   the sha256 of every shard.
+
+With ``--src DIR`` every ``*.txt`` file in DIR (except the two excluded novels) is used; the
+download uses exactly the 98 novels listed in ``NOVELS``. Errors (bad flags, missing or
+unreadable texts, a download that fails offline, an unwritable ``--out``) print one line
+``novels.py: error: ...`` on stderr and exit with status 2.
 """
 
 from __future__ import annotations
@@ -32,19 +45,16 @@ import hashlib
 import json
 import os
 import re
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 
-_HERE = Path(__file__).resolve().parent
-if str(_HERE) not in sys.path:
-    sys.path.insert(0, str(_HERE))
+from fineweb import ShardWriter, load_encoding, tokenize_documents, write_documents
+from shards import BOS_ID, CliParser, DataError, atomic_write, describe_os_error, exit_with_error
 
-from fineweb import DataError, ShardWriter, load_encoding, tokenize_documents, write_documents  # noqa: E402
-from shards import BOS, ShardError, atomic_write  # noqa: E402
+_HERE = Path(__file__).resolve().parent
 
 PROG = "novels.py"
 REPO = "computationalstylistics/100_english_novels"
@@ -255,7 +265,7 @@ def build(texts: dict[str, str], out_dir: str | os.PathLike, enc, *,
         "source": {"repo": REPO, "commit": COMMIT, "folder": FOLDER,
                    "excluded": [f"{n}.txt" for n in EXCLUDED]},
         "tokenizer": {"name": getattr(enc, "name", type(enc).__name__),
-                      "n_vocab": getattr(enc, "n_vocab", None), "bos": BOS},
+                      "n_vocab": getattr(enc, "n_vocab", None), "bos": BOS_ID},
         "params": {"chunk_chars": chunk_chars, "seed": seed, "shard_tokens": shard_size,
                    "val_novels": list(val_names)},
         "splits": {"train": splits["train"], "val": splits["val"]},
@@ -268,7 +278,7 @@ def build(texts: dict[str, str], out_dir: str | os.PathLike, enc, *,
 # --------------------------------------------------------------------------- CLI
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CliParser(
         prog=PROG,
         description="Build the novels corpus (98 public-domain English novels) as GPT-2 token shards.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -280,7 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bpe", metavar="PATH", default=None,
                    help="r50k_base.tiktoken ranks file for offline use (sha256 checked); "
                         "default: tiktoken.get_encoding('gpt2')")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="shuffle seed for training documents")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                   help="seed of the document order: the training documents are shuffled with numpy "
+                        "default_rng(SEED).permutation, the validation documents with default_rng(SEED + 1); "
+                        "it does not change which novels are held out or how they are cut into documents")
     p.add_argument("--chunk_chars", type=int, default=DEFAULT_CHUNK_CHARS, help="characters per document")
     p.add_argument("--shard_size", type=int, default=DEFAULT_SHARD_SIZE, help="max tokens per shard")
     p.add_argument("--val", nargs="+", metavar="NAME", default=list(VAL_NOVELS),
@@ -291,25 +304,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None, enc=None) -> dict:
-    """Run the CLI; ``enc`` may be injected (tests). Exits with a one-line error on bad input."""
+    """Run the CLI; ``enc`` may be injected (tests). On bad flags or input it prints one line
+    ``novels.py: error: ...`` on stderr and exits with status 2."""
     args = build_parser().parse_args(argv)
     try:
         if args.workers < 1:
             raise DataError(f"--workers {args.workers}: must be >= 1")
         if args.shard_size <= 0:
             raise DataError(f"--shard_size {args.shard_size}: must be positive")
+        if args.chunk_chars <= 0:
+            raise DataError(f"--chunk_chars {args.chunk_chars}: must be positive")
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise DataError(f"--out {args.out}: not a directory")
+        texts = load_local(args.src) if args.src is not None else None  # local input checked first
         if enc is None:
             enc = load_encoding(args.bpe)
-        if args.src is not None:
-            texts = load_local(args.src)
-        else:
+        if texts is None:
             texts = download_novels(args.cache, progress=not args.quiet)
         manifest = build(texts, args.out, enc, val_names=args.val, seed=args.seed,
                          chunk_chars=args.chunk_chars, shard_size=args.shard_size,
                          workers=args.workers, progress=not args.quiet)
-    except (DataError, ShardError, OSError) as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        sys.exit(2)
+    except DataError as e:
+        exit_with_error(PROG, e)
+    except OSError as e:
+        exit_with_error(PROG, describe_os_error(e))
     if not args.quiet:
         for split in ("train", "val"):
             s = manifest["splits"][split]

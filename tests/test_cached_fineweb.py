@@ -11,7 +11,7 @@ if str(DATA_DIR) not in sys.path:
     sys.path.insert(0, str(DATA_DIR))
 
 import cached_fineweb10B as cf  # noqa: E402
-from shards import BOS, validate_shard, write_shard  # noqa: E402
+from shards import BOS_ID as BOS, validate_shard, write_shard  # noqa: E402
 
 
 def small_shard(path, n=16):
@@ -79,11 +79,11 @@ def test_offline_one_line_error(tmp_path, monkeypatch, capsys, exc):
     monkeypatch.setattr(cf, "download", hub)
     with pytest.raises(SystemExit) as ei:
         cf.main(["3", "--dir", str(tmp_path), "--quiet"])
-    assert ei.value.code not in (0, None)
+    assert ei.value.code == 2
     captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1, captured.err
     err = captured.err.strip()
-    assert len(err.splitlines()) == 1, err
-    assert err.startswith("cached_fineweb10B.py: could not download fineweb_train_000002.bin from "
+    assert err.startswith("cached_fineweb10B.py: error: could not download fineweb_train_000002.bin from "
                           "kjj0/fineweb10B-gpt2 (")
     assert "internet connection" in err and "Traceback" not in err
     assert type(exc).__name__ in err
@@ -99,9 +99,10 @@ def test_invalid_download_is_reported(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cf, "download", broken)
     with pytest.raises(SystemExit) as ei:
         cf.main(["0", "--dir", str(tmp_path), "--quiet"])
-    assert ei.value.code not in (0, None)
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "fineweb_val_000000.bin" in err and "invalid" in err
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cached_fineweb10B.py: error: could not download fineweb_val_000000.bin from ")
+    assert err.count("\n") == 1 and "downloaded file is invalid" in err and "25 bytes is shorter than the 1024-byte header" in err
 
 
 def test_download_calls_hub_with_dataset_repo(tmp_path, monkeypatch):
@@ -121,10 +122,27 @@ def test_download_calls_hub_with_dataset_repo(tmp_path, monkeypatch):
     assert seen["filename"] == "fineweb_val_000000.bin"
 
 
-def test_negative_n_rejected(tmp_path):
+def test_negative_n_rejected(tmp_path, capsys):
     with pytest.raises(SystemExit) as ei:
         cf.main(["-1", "--dir", str(tmp_path), "--quiet"])
-    assert ei.value.code != 0
+    assert ei.value.code == 2
+    assert capsys.readouterr().err == "cached_fineweb10B.py: error: N must be >= 0, got -1\n"
+
+
+@pytest.mark.parametrize("where", ["dir_is_a_file", "dir_below_a_file"])
+def test_unusable_dir_is_one_line_error(tmp_path, monkeypatch, capsys, where):
+    a_file = tmp_path / "f"
+    a_file.write_text("not a folder")
+    hub = FakeHub()
+    monkeypatch.setattr(cf, "download", hub)
+    dest = a_file if where == "dir_is_a_file" else a_file / "sub"
+    with pytest.raises(SystemExit) as ei:
+        cf.main(["1", "--dir", str(dest), "--quiet"])
+    assert ei.value.code == 2
+    expected = (f"--dir {dest}: not a directory" if where == "dir_is_a_file"
+                else f"{dest}: Not a directory; check --dir")
+    assert capsys.readouterr().err == f"cached_fineweb10B.py: error: {expected}\n"
+    assert hub.calls == []
 
 
 def test_reason_names_root_cause(tmp_path, monkeypatch, capsys):
@@ -136,8 +154,9 @@ def test_reason_names_root_cause(tmp_path, monkeypatch, capsys):
                                "Please check your connection.") from inner
 
     monkeypatch.setattr(cf, "download", offline)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as ei:
         cf.main(["0", "--dir", str(tmp_path), "--quiet"])
+    assert ei.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "RuntimeError" in err and "Name or service not known" in err

@@ -13,8 +13,8 @@ if str(DATA_DIR) not in sys.path:
     sys.path.insert(0, str(DATA_DIR))
 
 import fineweb  # noqa: E402
-from fineweb import GPT2_PAT_STR, DataError, ShardWriter, tokenize_documents  # noqa: E402
-from shards import BOS, read_shard, validate_shard  # noqa: E402
+from fineweb import GPT2_PAT_STR, ShardWriter, tokenize_documents  # noqa: E402
+from shards import BOS_ID as BOS, DataError, read_shard, validate_shard  # noqa: E402
 
 BPE_FILE = Path(__file__).resolve().parents[2] / "shared/tokenizer/r50k_base.tiktoken"
 
@@ -111,10 +111,11 @@ def test_directory_separator_and_max_tokens(tmp_path):
     (d / "ignored.md").write_text("not read", encoding="utf-8")
     out = tmp_path / "out"
     paths = fineweb.main(["--files", str(d), "--separator", r"\n\n", "--out", str(out),
-                          "--shard_size", "1000", "--quiet"], enc=enc)
+                          "--shard_size", "10", "--quiet"], enc=enc)
     stream = read_all(paths)
     assert [enc.decode(x.tolist()) for x in split_docs(stream)] == ["doc A", "doc B", "doc C"]
-    assert [p.name for p in paths] == ["fineweb_val_000000.bin"]
+    assert [p.name for p in paths] == ["fineweb_val_000000.bin", "fineweb_train_000001.bin"]
+    assert [validate_shard(p) for p in paths] == [10, 8]
     paths = fineweb.main(["--files", str(d), "--separator", r"\n\n", "--out", str(tmp_path / "o2"),
                           "--shard_size", "4", "--max_tokens", "9", "--quiet"], enc=enc)
     assert [validate_shard(p) for p in paths] == [4, 4, 1]
@@ -170,13 +171,13 @@ def test_bpe_sha_mismatch(tmp_path, capsys):
     with pytest.raises(SystemExit) as ei:
         fineweb.main(["--files", str(tmp_path / "a.txt"), "--bpe", str(fake),
                       "--out", str(tmp_path / "o"), "--quiet"])
-    assert ei.value.code != 0
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "sha256" in err and str(fake) in err
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fineweb.py: error: --bpe {fake}: sha256 ") and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("case", ["missing", "suffix", "badjson", "notext", "notutf8", "shard_size"])
+@pytest.mark.parametrize("case", ["missing", "suffix", "badjson", "notext", "notutf8", "shard_size", "out_is_file"])
 def test_bad_input_one_line_errors(tmp_path, capsys, case):
     enc = tiny_byte_encoding()
     args = ["--out", str(tmp_path / "o"), "--quiet"]
@@ -199,22 +200,76 @@ def test_bad_input_one_line_errors(tmp_path, capsys, case):
         (tmp_path / "x.txt").write_bytes(b"caf\xe9")
         args += ["--files", str(tmp_path / "x.txt")]
         needle = "UTF-8"
-    else:
+    elif case == "shard_size":
         (tmp_path / "x.txt").write_text("a")
         args += ["--files", str(tmp_path / "x.txt"), "--shard_size", "0"]
-        needle = "--shard_size"
+        needle = "--shard_size 0: must be a positive number of tokens"
+    else:
+        (tmp_path / "x.txt").write_text("a")
+        (tmp_path / "o").write_text("a file, not a folder")
+        args += ["--files", str(tmp_path / "x.txt"), "--shard_size", "1"]
+        needle = f"--out {tmp_path / 'o'}: not a directory"
     with pytest.raises(SystemExit) as ei:
         fineweb.main(args, enc=enc)
-    assert ei.value.code != 0
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    assert needle in err and "Traceback" not in err
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fineweb.py: error: ") and err.count("\n") == 1, err
+    assert needle in err
+    assert not (tmp_path / "o").is_dir()
 
 
 def test_missing_datasets_package_is_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(SystemExit) as ei:
         fineweb.main(["--out", str(tmp_path / "o"), "--quiet"], enc=tiny_byte_encoding())
-    assert ei.value.code != 0
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "datasets" in err and "--files" in err
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fineweb.py: error: ") and err.count("\n") == 1
+    assert "datasets" in err and "--files" in err
+
+
+# --------------------------------------------------------------------------- input too small for a training shard
+
+def tiny_input(tmp_path):
+    """Three documents of 6 tokens each (BOS + 5 bytes): 18 tokens."""
+    (tmp_path / "t.txt").write_text("doc A\n\ndoc B\n\ndoc C", encoding="utf-8")
+    return ["--files", str(tmp_path / "t.txt"), "--separator", r"\n\n", "--out", str(tmp_path / "out"), "--quiet"]
+
+
+@pytest.mark.parametrize("shard_size", [18, 19, 10**8])
+def test_input_that_fits_in_the_validation_shard_is_an_error(tmp_path, capsys, shard_size):
+    with pytest.raises(SystemExit) as ei:
+        fineweb.main([*tiny_input(tmp_path), "--shard_size", str(shard_size)], enc=tiny_byte_encoding())
+    assert ei.value.code == 2
+    assert capsys.readouterr().err == (
+        f"fineweb.py: error: the input has only 18 tokens, which would all go into the validation shard "
+        f"(--shard_size {shard_size:,}) and leave no training shard; nothing written; pass a --shard_size "
+        f"below 18 or more input\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_one_token_more_than_a_shard_gives_a_training_shard(tmp_path):
+    paths = fineweb.main([*tiny_input(tmp_path), "--shard_size", "17"], enc=tiny_byte_encoding())
+    assert [(p.name, validate_shard(p)) for p in paths] == [("fineweb_val_000000.bin", 17),
+                                                             ("fineweb_train_000001.bin", 1)]
+
+
+def test_max_tokens_not_above_shard_size_is_an_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as ei:
+        fineweb.main([*tiny_input(tmp_path), "--shard_size", "10", "--max_tokens", "10"], enc=tiny_byte_encoding())
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fineweb.py: error: --max_tokens 10 is not more than --shard_size 10: ")
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_shard_writer_fineweb_layout_refuses_a_lone_validation_shard(tmp_path):
+    w = ShardWriter(tmp_path / "o", "p", shard_size=5)
+    w.add(np.array([BOS, 1, 2, 3, 4], dtype=np.uint16))  # exactly one shard: held back
+    assert w.paths == []
+    with pytest.raises(DataError, match="the input has only 5 tokens"):
+        w.close()
+    assert not (tmp_path / "o").exists()
+    w = ShardWriter(tmp_path / "v", "p", shard_size=5, split="val")  # an explicit split may be alone
+    w.add(np.arange(5))
+    assert [p.name for p in w.close()] == ["p_val_000000.bin"]

@@ -14,8 +14,8 @@ if str(DATA_DIR) not in sys.path:
     sys.path.insert(0, str(DATA_DIR))
 
 import novels  # noqa: E402
-from fineweb import GPT2_PAT_STR, DataError  # noqa: E402
-from shards import BOS, read_shard  # noqa: E402
+from fineweb import GPT2_PAT_STR  # noqa: E402
+from shards import BOS_ID as BOS, DataError, read_shard  # noqa: E402
 
 TRAIN_NAMES = ["Aaa_First_1850", "Bbb_Second_1860", "Zzz_Last_1900"]
 VAL_NAMES = list(novels.VAL_NOVELS)
@@ -98,6 +98,25 @@ def test_build_is_deterministic(novels_src, tmp_path):
         assert m3["splits"][split]["tokens"] == m1["splits"][split]["tokens"]
 
 
+@pytest.mark.parametrize("seed", [1337, 5])
+def test_seed_only_permutes_documents_as_documented(novels_src, tmp_path, seed):
+    """--seed: train documents in default_rng(seed).permutation order, val in default_rng(seed + 1)'s,
+    starting from the documents listed novel by novel in sorted name order; nothing else changes."""
+    out = tmp_path / "out"
+    m = run(novels_src, out, "--seed", str(seed))
+    names = sorted(TRAIN_NAMES + VAL_NAMES)
+    listed = {"train": [], "val": []}
+    for name in names:
+        text = novels.normalize_text(novel_text(name, 30 + 7 * (TRAIN_NAMES + VAL_NAMES).index(name)))
+        listed["val" if name in VAL_NAMES else "train"] += novels.split_documents(text, CHUNK)
+    for split, shard, offset in (("train", "novels_train_000001.bin", 0), ("val", "novels_val_000000.bin", 1)):
+        perm = np.random.default_rng(seed + offset).permutation(len(listed[split]))
+        assert docs_of(out / shard) == [listed[split][i] for i in perm]
+        assert m["splits"][split]["order"] == f"numpy default_rng({seed + offset}).permutation"
+    help_text = " ".join(novels.build_parser().format_help().split())
+    assert "default_rng(SEED).permutation" in help_text and "default_rng(SEED + 1)" in help_text
+
+
 def test_splits_bos_and_excluded(novels_src, tmp_path):
     out = tmp_path / "out"
     m = run(novels_src, out)
@@ -146,16 +165,31 @@ def test_missing_val_novel_is_one_line_error(novels_src, tmp_path, capsys):
     (novels_src / "Hardy_Tess_1891.txt").unlink()
     with pytest.raises(SystemExit) as ei:
         run(novels_src, tmp_path / "out")
-    assert ei.value.code != 0
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Hardy_Tess_1891" in err and "--val" in err
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("novels.py: error: validation novel(s) Hardy_Tess_1891 not found") and err.count("\n") == 1
+    assert "--val" in err
 
 
-def test_bad_src_is_one_line_error(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        run(tmp_path / "nope", tmp_path / "out")
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--src" in err
+@pytest.mark.parametrize("problem", ["missing_src", "out_is_file", "chunk_chars", "not_utf8"])
+def test_bad_input_is_one_line_error(novels_src, tmp_path, capsys, problem):
+    src, out, extra = novels_src, tmp_path / "out", []
+    if problem == "missing_src":
+        src, needle = tmp_path / "nope", f"--src {tmp_path / 'nope'}: not a directory"
+    elif problem == "out_is_file":
+        out.write_text("a file")
+        needle = f"--out {out}: not a directory"
+    elif problem == "chunk_chars":
+        extra, needle = ["--chunk_chars", "0"], "--chunk_chars 0: must be positive"
+    else:
+        (novels_src / "Aaa_First_1850.txt").write_bytes(b"caf\xe9")
+        needle = "Aaa_First_1850.txt: not valid UTF-8 (byte 3)"
+    with pytest.raises(SystemExit) as ei:
+        novels.main(["--src", str(src), "--out", str(out), "--quiet", *extra], enc=tiny_byte_encoding())
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("novels.py: error: ") and err.count("\n") == 1 and needle in err, err
+    assert not out.is_dir()
 
 
 def test_download_uses_pinned_commit(tmp_path, monkeypatch):
