@@ -9,9 +9,13 @@ Log-format contract (what ``train_gpt.py`` writes on rank 0 to ``logs/<run_id>.t
    if it does not, the trainer writes one newline so that the separator starts a line).
 2. A separator line: exactly 100 ``=`` characters followed by ``\\n``.
    The source itself must not contain a line that is exactly 100 ``=`` characters.
-3. The environment block (Python, torch, CUDA, Triton versions, ``nvidia-smi`` ...).
+3. The environment block (Python, torch, CUDA, Triton versions, ``nvidia-smi`` ...). Its
+   last line is ``script_sha256 <64 hex>``: the sha256 of the UTF-8 bytes of part 1
+   exactly. Logs written before this line existed are read too (without verification).
 4. The same separator line again.
-5. The run output. Step lines are exactly::
+5. The run output. Its first line is ``args: <JSON list of the command-line arguments>``
+   (older logs: ``args: <the arguments joined by spaces>``), then ``hyperparameters: {...}``,
+   then ``world_size N  grad_accum A  device D``. Step lines are exactly::
 
        step:{s}/{N} val_loss:{loss:.4f} train_time:{ms:.0f}ms step_avg:{ms/s:.2f}ms
        step:{s}/{N} train_time:{ms:.0f}ms step_avg:{avg:.2f}ms
@@ -20,16 +24,19 @@ Log-format contract (what ``train_gpt.py`` writes on rank 0 to ``logs/<run_id>.t
 
 In code (the trainer side)::
 
-    f.write(source if source.endswith("\\n") else source + "\\n")
+    source = source if source.endswith("\\n") else source + "\\n"
+    f.write(source)
     f.write("=" * 100 + "\\n")
     f.write(environment_block)        # ends with "\\n"
+    f.write(f"script_sha256 {sha256(source.encode()).hexdigest()}\\n")
     f.write("=" * 100 + "\\n")
     ...                                # run output, one line per print
 
 ``extract`` returns every byte before the first separator line, so for a source that ends
-with a newline the extracted script is byte-for-byte the trainer's source. Step lines are
-parsed from everything after the first separator. The final validation loss of a run is
-the last ``val_loss`` step line; the run's train time is that line's ``train_time``.
+with a newline the extracted script is byte-for-byte the trainer's source; ``extract`` and
+``replay`` check it against ``script_sha256``. Step lines are parsed from everything after
+the first separator. The final validation loss of a run is the last ``val_loss`` step line;
+the run's train time is that line's ``train_time``.
 
 Usage: ``python records/records.py {extract,replay,diff,stats,plot} --help``.
 """
@@ -38,9 +45,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import hashlib
+import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -58,10 +68,22 @@ _VAL_RE = re.compile(
     rf"^step:(\d+)/(\d+) val_loss:(\S+) train_time:({_NUM})ms step_avg:(\S+)ms[ \t\r]*$",
     re.M,
 )
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+_WORLD_RE = re.compile(r"^world_size (\d+)(?:\s|$)", re.M)
+# A replay is a new run: these recorded flags (each takes one value) are not passed on.
+DROPPED_FLAGS = ("--run_id", "--resume")
 
 
 class RecordError(Exception):
-    """A user-facing error; the CLI prints it as one line and exits non-zero."""
+    """A user-facing error; the CLI prints it as one line and exits with code 2."""
+
+
+class UsageError(RecordError):
+    """A command-line usage error (argparse's, reported the same way)."""
+
+
+def warn(message: str) -> None:
+    print(f"records.py: warning: {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -79,19 +101,144 @@ def _read_bytes(path: Path) -> bytes:
         raise RecordError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def _split(data: bytes, path) -> tuple[bytes, bytes]:
-    """Split a log into (script bytes, bytes after the first separator line)."""
+def _separators(data: bytes, limit: int = 2) -> list[tuple[int, int]]:
+    """(start, end) byte offsets of the first `limit` separator lines in data."""
     sep = SEPARATOR.encode()
-    pos = 0
+    out, pos = [], 0
     for line in data.splitlines(keepends=True):
         if line.rstrip(b"\r\n") == sep:
-            return data[:pos], data[pos + len(line):]
+            out.append((pos, pos + len(line)))
+            if len(out) == limit:
+                break
         pos += len(line)
-    raise RecordError(f"{path}: no separator line of 100 '=' (not a speedrun log?)")
+    return out
+
+
+def is_log(data: bytes) -> bool:
+    """Whether a file's contents are a log (it has a separator line) rather than a script."""
+    return bool(_separators(data, limit=1))
+
+
+def _split(data: bytes, path) -> tuple[bytes, bytes]:
+    """Split a log into (script bytes, bytes after the first separator line)."""
+    seps = _separators(data, limit=1)
+    if not seps:
+        raise RecordError(f"{path}: no separator line of 100 '=' (not a speedrun log, "
+                          f"or cut short inside its script)")
+    (start, end), = seps
+    return data[:start], data[end:]
+
+
+@dataclass
+class LogParts:
+    """A log split at its separator lines (see the module docstring)."""
+
+    script: bytes
+    environment: str  # part 3 (the rest of the file if there is no second separator)
+    output: str  # part 5 ("" if there is no second separator)
+
+
+def split_log(data: bytes, path) -> LogParts:
+    script, rest = _split(data, path)
+    seps = _separators(rest, limit=1)
+    if seps:
+        (start, end), = seps
+        env, out = rest[:start], rest[end:]
+    else:
+        env, out = rest, b""
+    return LogParts(script, env.decode("utf-8", errors="replace"),
+                    out.decode("utf-8", errors="replace"))
+
+
+def read_log(path) -> LogParts:
+    return split_log(_read_bytes(Path(path)), path)
+
+
+def recorded_sha256(parts: LogParts, path) -> str | None:
+    """The hex digest on the log's `script_sha256` line, or None for logs without one."""
+    lines = [l.strip() for l in parts.environment.splitlines() if l.startswith("script_sha256")]
+    if not lines:
+        return None
+    value = lines[-1][len("script_sha256"):].strip()
+    if not _SHA_RE.fullmatch(value):
+        raise RecordError(f"{path}: malformed line {lines[-1][:90]!r} "
+                          f"(expected 'script_sha256 <64 hex digits>')")
+    return value
+
+
+def verify_script(path, parts: LogParts | None = None, quiet: bool = False) -> bool:
+    """Check the extracted script against the log's script_sha256 line.
+
+    True: it matches. False: the log has no such line (older logs; a warning is printed
+    unless quiet). A mismatch (the log was cut short or edited) raises RecordError.
+    """
+    parts = read_log(path) if parts is None else parts
+    expected = recorded_sha256(parts, path)
+    if expected is None:
+        if not quiet:
+            warn(f"{path} has no script_sha256 line; cannot verify the script")
+        return False
+    actual = hashlib.sha256(parts.script).hexdigest()
+    if actual != expected:
+        raise RecordError(f"{path}: the script does not match the log's script_sha256 "
+                          f"(recorded {expected[:12]}..., extracted {actual[:12]}...); "
+                          f"the log is cut short or edited")
+    return True
+
+
+def recorded_args(parts: LogParts, path) -> list[str] | None:
+    """The command-line arguments on the run output's `args:` line (None if it has none).
+
+    Current logs hold a JSON list; older ones the arguments joined by spaces, split here
+    like a shell would (an argument that contained a space cannot be recovered).
+    """
+    line = next((l for l in parts.output.splitlines() if l.startswith("args:")), None)
+    if line is None:
+        return None
+    text = line[len("args:"):].strip()
+    if text.startswith("["):
+        try:
+            args = json.loads(text)
+        except ValueError:
+            args = None
+        if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
+            raise RecordError(f"{path}: unreadable args line {line[:90]!r} "
+                              f"(expected a JSON list of strings)")
+        return args
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise RecordError(f"{path}: unreadable args line {line[:90]!r} ({e})") from None
+
+
+def recorded_world_size(parts: LogParts) -> int | None:
+    """N of the run output's first `world_size N ...` line, or None."""
+    m = _WORLD_RE.search(parts.output)
+    return int(m.group(1)) if m else None
+
+
+def _dropped(arg: str) -> bool:
+    """Whether arg names one of DROPPED_FLAGS (argparse also accepts unique prefixes)."""
+    name = arg.split("=", 1)[0]
+    return len(name) > 3 and any(flag.startswith(name) for flag in DROPPED_FLAGS)
+
+
+def replay_args(recorded, extra=()) -> list[str]:
+    """The recorded arguments without --run_id/--resume and their values, then `extra`
+    (the trainer's argparse keeps the last occurrence of a flag, so these override)."""
+    out, args, i = [], list(recorded), 0
+    while i < len(args):
+        arg = args[i]
+        if _dropped(arg):
+            i += 1 if "=" in arg else 2
+            continue
+        out.append(arg)
+        i += 1
+    return out + list(extra)
 
 
 def extract_script_bytes(path) -> bytes:
-    """The script part of a log, byte for byte."""
+    """The script part of a log, byte for byte (not verified; see verify_script)."""
     return _split(_read_bytes(Path(path)), path)[0]
 
 
@@ -182,13 +329,26 @@ def first_log(path) -> Path:
 # commands
 
 
+def script_of(path) -> tuple[Path, bytes]:
+    """(name, script) for a log, a record folder (its first log) or a plain script file.
+
+    A file is a log if it has a separator line of 100 '=', else it is taken as a script.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = first_log(path)
+    data = _read_bytes(path)
+    return path, (_split(data, path)[0] if is_log(data) else data)
+
+
 def script_diff(a, b, context: int = 3) -> str:
-    """Unified diff of the scripts of two logs (or record folders: their first log)."""
-    la, lb = first_log(a), first_log(b)
-    sa = extract_script(la).splitlines(keepends=True)
-    sb = extract_script(lb).splitlines(keepends=True)
+    """Unified diff of two scripts: each a log, a record folder (its first log) or a script."""
+    la, sa = script_of(a)
+    lb, sb = script_of(b)
+    ta = sa.decode("utf-8", errors="replace").splitlines(keepends=True)
+    tb = sb.decode("utf-8", errors="replace").splitlines(keepends=True)
     lines = []
-    for line in difflib.unified_diff(sa, sb, fromfile=str(la), tofile=str(lb), n=context):
+    for line in difflib.unified_diff(ta, tb, fromfile=str(la), tofile=str(lb), n=context):
         lines.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
     return "".join(lines)
 
@@ -288,51 +448,89 @@ def plot_runs(paths, target: float | None = DEFAULT_TARGET, ylim=None):
 
 
 def count_gpus() -> int:
-    """Number of CUDA GPUs per `nvidia-smi -L` (0 if none or no nvidia-smi)."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return 0
+    """CUDA devices torch sees (so CUDA_VISIBLE_DEVICES counts), asked in a subprocess
+    so this tool never imports torch; 0 if torch is missing or fails."""
+    code = "import torch; print(torch.cuda.device_count())"
     try:
-        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300)
     except (OSError, subprocess.SubprocessError):
         return 0
-    if out.returncode != 0:
+    try:
+        return max(0, int(out.stdout.split()[-1])) if out.returncode == 0 else 0
+    except (ValueError, IndexError):
         return 0
-    n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [v for v in visible.split(",") if v.strip()]
-        if not ids or ids[0].strip() == "-1":
-            return 0
-        n = min(n, len(ids))
-    return n
 
 
-def replay(log, extra_args=(), nproc: int | None = None, workdir=None) -> int:
-    """Write the log's script to `<workdir>/.replay_<stem>.py`, run it, remove it.
+def choose_nproc(nproc: int | None = None, world_size: int | None = None, gpus=count_gpus) -> int:
+    """Processes to launch, 0 meaning plain python (no torchrun).
+
+    --nproc if given, else the log's recorded world_size, else the number of GPUs (gpus()
+    is called at most once, only when needed). One process without a GPU: plain python.
+    """
+    if nproc is not None and nproc < 0:
+        raise UsageError(f"--nproc must be >= 0, got {nproc}")
+    cache: list[int] = []
+
+    def n_gpus() -> int:
+        if not cache:
+            cache.append(gpus())
+        return cache[0]
+
+    k = nproc if nproc is not None else world_size if world_size is not None else n_gpus()
+    return 0 if k == 0 or (k == 1 and n_gpus() == 0) else k
+
+
+def replay_command(log, extra_args=(), nproc: int | None = None, use_recorded_args: bool = True,
+                   script_name: str | None = None, gpus=count_gpus, parts: LogParts | None = None
+                   ) -> list[str]:
+    """The command `replay` runs for LOG (a log file): launcher, script, arguments.
+
+    Arguments: the log's recorded ones (without --run_id/--resume) then extra_args; with
+    use_recorded_args=False only extra_args. The process count is choose_nproc's.
+    """
+    log = Path(log)
+    parts = read_log(log) if parts is None else parts
+    args = list(extra_args)
+    if use_recorded_args:
+        recorded = recorded_args(parts, log)
+        if recorded is None:
+            warn(f"{log} has no args: line; passing only the arguments after --")
+        else:
+            args = replay_args(recorded, extra_args)
+    k = choose_nproc(nproc, recorded_world_size(parts), gpus)
+    script_name = script_name or f".replay_{log.stem}.py"
+    if k == 0:
+        return [sys.executable, script_name, *args]
+    launcher = shutil.which("torchrun")
+    launcher = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
+    return [*launcher, "--standalone", f"--nproc_per_node={k}", script_name, *args]
+
+
+def replay(log, extra_args=(), nproc: int | None = None, workdir=None,
+           use_recorded_args: bool = True, gpus=count_gpus) -> int:
+    """Verify the log's script, write it to `<workdir>/.replay_<stem>.py`, run it, remove it.
 
     workdir defaults to the repository root (so relative paths like data/fineweb10B
-    resolve). nproc: None = auto (torchrun on all GPUs, else plain python), 0 = plain
-    python, K = torchrun with K processes. Returns the run's exit code.
+    resolve). The command is replay_command's; it is printed to stderr first. Returns
+    the run's exit code.
     """
     log = first_log(log)
-    script = extract_script_bytes(log)
+    parts = read_log(log)
+    verify_script(log, parts)
     workdir = Path(workdir) if workdir is not None else REPO_ROOT
     if not workdir.is_dir():
         raise RecordError(f"{workdir}: working folder does not exist")
     tmp = workdir / f".replay_{log.stem}.py"
-    if nproc is None:
-        nproc = count_gpus()
-    if nproc > 0:
-        launcher = shutil.which("torchrun")
-        launcher = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
-        cmd = launcher + ["--standalone", f"--nproc_per_node={nproc}", tmp.name]
-    else:
-        cmd = [sys.executable, tmp.name]
-    cmd += list(extra_args)
-    tmp.write_bytes(script)
+    cmd = replay_command(log, extra_args, nproc=nproc, use_recorded_args=use_recorded_args,
+                         script_name=tmp.name, gpus=gpus, parts=parts)
     try:
-        print(f"replay: {log} -> (cwd {workdir}) {' '.join(cmd)}", file=sys.stderr, flush=True)
+        tmp.write_bytes(parts.script)
+    except OSError as e:
+        raise RecordError(f"{tmp}: cannot write ({e.strerror or e})") from None
+    try:
+        print(f"records.py: replay: cd {shlex.quote(str(workdir))} && {shlex.join(cmd)}",
+              file=sys.stderr, flush=True)
         try:
             return subprocess.call(cmd, cwd=workdir)
         except OSError as e:
@@ -348,38 +546,54 @@ def replay(log, extra_args=(), nproc: int | None = None, workdir=None) -> int:
 # CLI
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `records.py: error: <message>`, exit code 2."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="records",
+    p = _Parser(
+        prog="records.py",
         description="Extract, replay, diff, summarize and plot speedrun run logs.",
     )
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
 
     q = sub.add_parser("extract", help="print the script stored in a log",
                        description="Print the script part of a log (everything before the "
-                                   "first line of 100 '='), byte for byte.")
+                                   "first line of 100 '='), byte for byte, after checking it "
+                                   "against the log's script_sha256 line (a mismatch is an "
+                                   "error; a log without that line gets a warning).")
     q.add_argument("log", metavar="LOG", help="log file or record folder (its first log)")
     q.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
 
     q = sub.add_parser(
-        "replay", help="run the script stored in a log",
-        description="Extract the script of LOG to .replay_<stem>.py in the working folder "
-                    "(default: the repository root, so relative data paths resolve), run it "
-                    "with `torchrun --standalone --nproc_per_node=K` (K = GPUs found by "
-                    "`nvidia-smi -L`) or plain python when there is no GPU, remove it, and "
-                    "exit with the run's exit code. Arguments after `--` go to the script "
-                    "(e.g. `replay LOG -- --preset cpu`).",
-        usage="records replay [-h] [--nproc K] [--dir DIR] LOG [-- ARGS...]",
+        "replay", help="run the script stored in a log, with its recorded arguments",
+        description="Check the script of LOG against its script_sha256 line, write it to "
+                    ".replay_<stem>.py in the working folder (default: the repository root, "
+                    "so relative data paths resolve), run it, remove it, and exit with the "
+                    "run's exit code. Arguments: the log's recorded `args:` without --run_id "
+                    "and --resume, then the arguments after `--` (the last occurrence of a "
+                    "flag wins, so these override). Processes: --nproc, else the log's "
+                    "world_size, else the number of GPUs torch sees; more than one, or one "
+                    "with a GPU, runs `torchrun --standalone --nproc_per_node=K`, otherwise "
+                    "plain python. The command is printed to stderr before it runs.",
+        usage="records.py replay [-h] [--nproc K] [--dir DIR] [--no-args] LOG [-- ARGS...]",
     )
     q.add_argument("log", metavar="LOG", help="log file or record folder (its first log)")
     q.add_argument("--nproc", type=int, default=None, metavar="K",
-                   help="processes for torchrun; 0 = plain python (default: number of GPUs)")
+                   help="processes (0 = plain python; default: the log's world_size, else "
+                        "the number of GPUs)")
     q.add_argument("--dir", default=None, metavar="DIR",
                    help="folder to write the script to and run it in (default: repo root)")
+    q.add_argument("--no-args", dest="no_args", action="store_true",
+                   help="ignore the log's recorded arguments; pass only those after --")
 
-    q = sub.add_parser("diff", help="unified diff of two records' scripts",
-                       description="Unified diff of the scripts of A and B (log files, or "
-                                   "record folders meaning their first log by name).")
+    q = sub.add_parser("diff", help="unified diff of two scripts",
+                       description="Unified diff of the scripts of A and B. Each is a log, a "
+                                   "record folder (its first log by name) or a plain script "
+                                   "such as train_gpt.py (a file with no line of 100 '=').")
     q.add_argument("a", metavar="A")
     q.add_argument("b", metavar="B")
     q.add_argument("-U", "--context", type=int, default=3, metavar="N",
@@ -407,63 +621,71 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run(args, extra) -> int:
+    if args.cmd == "extract":
+        log = first_log(args.log)
+        parts = read_log(log)
+        verify_script(log, parts)
+        if args.output:
+            try:
+                Path(args.output).write_bytes(parts.script)
+            except OSError as e:
+                raise RecordError(f"{args.output}: cannot write ({e.strerror or e})") from None
+        else:
+            sys.stdout.flush()
+            sys.stdout.buffer.write(parts.script)
+            sys.stdout.buffer.flush()
+        return 0
+    if args.cmd == "replay":
+        return replay(args.log, extra, nproc=args.nproc, workdir=args.dir,
+                      use_recorded_args=not args.no_args)
+    if args.cmd == "diff":
+        if args.context < 0:
+            raise UsageError(f"-U/--context must be >= 0, got {args.context}")
+        out = script_diff(args.a, args.b, context=args.context)
+        sys.stdout.write(out)
+        if not out:
+            print("scripts are identical", file=sys.stderr)
+        return 0
+    if args.cmd == "stats":
+        sys.stdout.write(stats_report(args.paths, target=args.target, alpha=args.alpha))
+        return 0
+    if args.cmd == "plot":
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RecordError("plot needs matplotlib: pip install matplotlib") from None
+        fig = plot_runs(args.paths, target=args.target, ylim=args.ylim)
+        try:
+            fig.savefig(args.output, dpi=120)
+        except (OSError, ValueError) as e:
+            raise RecordError(f"{args.output}: cannot write image ({e})") from None
+        print(f"wrote {args.output}", file=sys.stderr)
+        return 0
+    raise UsageError(f"unknown command {args.cmd}")
+
+
 def main(argv=None) -> int:
+    """Run the CLI; returns the exit code (2 and one stderr line for any error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
     # `replay LOG -- args`: split at the first `--` after `replay` ourselves, so
     # script arguments that look like options never reach argparse.
     extra: list[str] = []
     if argv and argv[0] == "replay" and "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    args = parser.parse_args(argv)
     try:
-        if args.cmd == "extract":
-            data = extract_script_bytes(first_log(args.log))
-            if args.output:
-                try:
-                    Path(args.output).write_bytes(data)
-                except OSError as e:
-                    raise RecordError(f"{args.output}: cannot write ({e.strerror or e})") from None
-            else:
-                sys.stdout.flush()
-                sys.stdout.buffer.write(data)
-                sys.stdout.buffer.flush()
-            return 0
-        if args.cmd == "replay":
-            return replay(args.log, extra, nproc=args.nproc, workdir=args.dir)
-        if args.cmd == "diff":
-            out = script_diff(args.a, args.b, context=args.context)
-            sys.stdout.write(out)
-            if not out:
-                print("scripts are identical", file=sys.stderr)
-            return 0
-        if args.cmd == "stats":
-            sys.stdout.write(stats_report(args.paths, target=args.target, alpha=args.alpha))
-            return 0
-        if args.cmd == "plot":
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                raise RecordError("plot needs matplotlib: pip install matplotlib") from None
-            fig = plot_runs(args.paths, target=args.target, ylim=args.ylim)
-            try:
-                fig.savefig(args.output, dpi=120)
-            except (OSError, ValueError) as e:
-                raise RecordError(f"{args.output}: cannot write image ({e})") from None
-            print(f"wrote {args.output}", file=sys.stderr)
-            return 0
+        args = _parser().parse_args(argv)
+        return _run(args, extra)
     except RecordError as e:
-        print(f"records: error: {e}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:  # e.g. `records extract LOG | head`
+        print(f"records.py: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `records.py extract LOG | head`
         try:
             sys.stdout = open(os.devnull, "w")
         except OSError:
             pass
         return 0
-    parser.error(f"unknown command {args.cmd}")
-    return 2
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Every record folder under records/<track>/ holds >= 3 logs, and its README quotes exactly what
+"""Every record folder under records/<track>/ is well formed (a README, >= 3 logs that parse, verify
+and share one script, within the track's budget), and its README quotes exactly what
 `records.py stats <folder> --target T` prints today (so the numbers cannot drift from the logs)."""
 import importlib.util
 import re
@@ -14,8 +15,30 @@ _spec.loader.exec_module(rec)
 RECORD_DIRS = sorted(p for p in (ROOT / "records").glob("track_*/*") if p.is_dir())
 
 
-def test_there_is_a_cpu_record():
-    assert any(p.parent.name == "track_cpu" for p in RECORD_DIRS)
+TRACKS = {"track_1_short", "track_cpu"}  # records/README.md, "Tracks and rules"
+TRAIN_TIME_BUDGET_MS = {"track_cpu": 500_000}  # every run's final train_time
+
+
+@pytest.mark.parametrize("folder", RECORD_DIRS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_record_folder_is_well_formed(folder):
+    track = folder.parent.name
+    assert track in TRACKS, f"{folder}: unknown track {track!r} (records/README.md lists {sorted(TRACKS)})"
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_[A-Z][A-Za-z0-9]*", folder.name), \
+        f"{folder}: the name must be <YYYY-MM-DD>_<CamelCaseName>"
+    assert (folder / "README.md").is_file(), f"{folder}: a record needs a README.md"
+    logs = rec.logs_in(folder)
+    assert len(logs) >= 3, f"{folder}: a record needs at least 3 logs"
+    scripts = set()
+    for log in logs:
+        run = rec.parse_log(log)  # raises for a log without a separator or a val_loss line
+        rec.verify_script(log, quiet=True)  # raises if its script_sha256 line does not match
+        parts = rec.read_log(log)
+        assert rec.recorded_args(parts, log) is not None, f"{log}: no args: line"
+        budget = TRAIN_TIME_BUDGET_MS.get(track)
+        assert budget is None or run.final_time_ms <= budget, \
+            f"{log}: train_time {run.final_time_ms:.0f}ms is over the {track} budget of {budget}ms"
+        scripts.add(parts.script)
+    assert len(scripts) == 1, f"{folder}: the logs hold {len(scripts)} different scripts; a record has one"
 
 
 @pytest.mark.parametrize("folder", RECORD_DIRS, ids=lambda p: f"{p.parent.name}/{p.name}")

@@ -1,7 +1,10 @@
 """Tests for the records CLI (records/records.py): synthetic logs, in-process calls."""
 
+import hashlib
 import importlib.util
+import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,8 +38,13 @@ if __name__ == "__main__":
 
 
 def make_log(path, final_loss=3.28, script=SCRIPT, n=2035, val_every=250, step_ms=61.0,
-             final_val=True, separator=True):
-    """Write a log in the trainer's format; returns the path."""
+             final_val=True, separator=True, args=("--preset", "cpu"), world_size=1, sha=True):
+    """Write a log in the trainer's format; returns the path.
+
+    args: a list -> `args: <JSON>` (current format); a str -> `args: <str>` (older logs);
+    None -> no args line. sha: True -> `script_sha256 <sha256 of script>` as the last line of
+    the environment block; a str -> that value; None -> no such line (older logs).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     out = [script]
@@ -44,8 +52,17 @@ def make_log(path, final_loss=3.28, script=SCRIPT, n=2035, val_every=250, step_m
         out.append(SEP + "\n")
     out.append("Running Python 3.11.7\nRunning PyTorch 2.10.0\n"
                "+-------------------+\n|=========+=========|\n")
+    if sha is True:
+        sha = hashlib.sha256(script.encode("utf-8")).hexdigest()
+    if sha is not None:
+        out.append(f"script_sha256 {sha}\n")
     if separator:
         out.append(SEP + "\n")
+    if args is not None:
+        out.append(f"args: {args if isinstance(args, str) else json.dumps(list(args))}\n")
+    out.append("hyperparameters: {'seed': 0}\n")
+    if world_size is not None:
+        out.append(f"world_size {world_size}  grad_accum 1  device cpu\n")
     for s in range(n + 1):
         ms = s * step_ms
         if s > 0:
@@ -56,8 +73,26 @@ def make_log(path, final_loss=3.28, script=SCRIPT, n=2035, val_every=250, step_m
                        f"step_avg:{ms / max(s, 1):.2f}ms\n")
     out.append("peak memory allocated: 30000 MiB reserved: 32000 MiB\n")
     out.append("throughput: 1.0M tokens/s\n")
-    path.write_text("".join(out))
+    path.write_text("".join(out), encoding="utf-8")
     return path
+
+
+OLD_ARGS = "--preset cpu --seed 0 --train_files /work/main/data/novels/novels_train_*.bin"
+
+
+def old_log(path, **kw):
+    """A log as written before the script_sha256 line and JSON args (e.g. track_cpu Baseline)."""
+    return make_log(path, args=OLD_ARGS, sha=None, **kw)
+
+
+def one_error_line(err, *fragments):
+    """stderr is exactly one `records.py: error: ...` line holding every fragment."""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("records.py: error: "), err
+    for f in fragments:
+        assert f in lines[0], (f, err)
+    return lines[0]
 
 
 def record_folder(tmp_path, losses=LOSSES, name="2025-11-29_Test"):
@@ -74,7 +109,8 @@ def test_extract_exact_bytes(tmp_path, capsysbinary):
     log = make_log(tmp_path / "a.txt")
     assert rec.extract_script_bytes(log) == SCRIPT.encode()
     assert rec.main(["extract", str(log)]) == 0
-    assert capsysbinary.readouterr().out == SCRIPT.encode()
+    cap = capsysbinary.readouterr()
+    assert cap.out == SCRIPT.encode() and cap.err == b""  # verified: no warning
 
 
 def test_extract_to_file_and_folder(tmp_path):
@@ -86,10 +122,72 @@ def test_extract_to_file_and_folder(tmp_path):
 
 def test_extract_no_separator(tmp_path, capsys):
     log = make_log(tmp_path / "bad.txt", separator=False)
-    assert rec.main(["extract", str(log)]) != 0
-    err = capsys.readouterr().err
-    assert str(log) in err and "separator" in err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert rec.main(["extract", str(log)]) == 2
+    one_error_line(capsys.readouterr().err, str(log), "separator")
+
+
+# --------------------------------------------------------------------------- script_sha256
+
+def edit_script_part(log, old, new):
+    """Edit the script part of a log in place, leaving its script_sha256 line as it was."""
+    data = log.read_bytes()
+    cut = data.index((SEP + "\n").encode())
+    script = data[:cut]
+    assert script.count(old.encode()) == 1
+    log.write_bytes(script.replace(old.encode(), new.encode()) + data[cut:])
+
+
+def test_verify_script_good_log(tmp_path):
+    log = make_log(tmp_path / "good.txt")
+    assert rec.verify_script(log) is True
+    parts = rec.read_log(log)
+    assert parts.script == SCRIPT.encode()
+    assert rec.recorded_sha256(parts, log) == hashlib.sha256(SCRIPT.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("cmd", ["extract", "replay"])
+def test_one_edited_character_fails(tmp_path, capsys, cmd):
+    marker = tmp_path / "ran.txt"
+    script = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\nx = 1\n"
+    log = make_log(tmp_path / "logs" / "edited.txt", script=script)
+    edit_script_part(log, "x = 1", "x = 2")
+    recorded = hashlib.sha256(script.encode()).hexdigest()
+    actual = hashlib.sha256(script.replace("x = 1", "x = 2").encode()).hexdigest()
+    argv = [cmd, str(log)] if cmd == "extract" else [cmd, "--nproc", "0", "--dir", str(tmp_path), str(log)]
+    assert rec.main(argv) == 2
+    cap = capsys.readouterr()
+    one_error_line(cap.err, str(log), "script_sha256", "cut short or edited", recorded[:12], actual[:12])
+    assert cap.out == "" and not marker.exists() and not list(tmp_path.glob(".replay_*"))
+    with pytest.raises(rec.RecordError):
+        rec.verify_script(log)
+
+
+def test_cut_short_script_never_replays(tmp_path, capsys):
+    """The script part lost its last lines (the call of main): it would run nothing and exit 0."""
+    marker = tmp_path / "ran.txt"
+    script = (f"import pathlib\n\ndef main():\n    pathlib.Path({str(marker)!r}).write_text('ran')\n\n"
+              f"if __name__ == '__main__':\n    main()\n")
+    log = make_log(tmp_path / "cut.txt", script=script)
+    edit_script_part(log, "if __name__ == '__main__':\n    main()\n", "")
+    assert rec.main(["replay", "--nproc", "0", "--dir", str(tmp_path), str(log)]) == 2
+    one_error_line(capsys.readouterr().err, str(log), "cut short or edited")
+    assert not marker.exists() and not list(tmp_path.glob(".replay_*"))
+    assert rec.main(["extract", str(log)]) == 2
+
+
+def test_old_log_without_sha_warns_and_extracts(tmp_path, capsys):
+    log = old_log(tmp_path / "old.txt")
+    assert rec.verify_script(log, quiet=True) is False
+    assert rec.main(["extract", str(log)]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == SCRIPT
+    assert cap.err == f"records.py: warning: {log} has no script_sha256 line; cannot verify the script\n"
+
+
+def test_malformed_sha_line_is_an_error(tmp_path, capsys):
+    log = make_log(tmp_path / "bad.txt", sha="12345")
+    assert rec.main(["extract", str(log)]) == 2
+    one_error_line(capsys.readouterr().err, str(log), "script_sha256")
 
 
 # --------------------------------------------------------------------------- stats
@@ -130,21 +228,18 @@ def test_stats_files_and_target(tmp_path, capsys):
 def test_stats_names_file_without_final_val(tmp_path, capsys):
     d = record_folder(tmp_path)
     bad = make_log(d / "run9.txt", final_val=False)
-    assert rec.main(["stats", str(d)]) != 0
-    cap = capsys.readouterr()
-    assert str(bad) in cap.err and "val" in cap.err
-    assert len(cap.err.strip().splitlines()) == 1 and "Traceback" not in cap.err
+    assert rec.main(["stats", str(d)]) == 2
+    one_error_line(capsys.readouterr().err, str(bad), "val")
 
 
 def test_stats_empty_folder_and_missing(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "README.md").write_text("nothing\n")
-    assert rec.main(["stats", str(empty)]) != 0
-    err = capsys.readouterr().err
-    assert str(empty) in err and "no logs" in err and len(err.strip().splitlines()) == 1
-    assert rec.main(["stats", str(tmp_path / "nope.txt")]) != 0
-    assert "nope.txt" in capsys.readouterr().err
+    assert rec.main(["stats", str(empty)]) == 2
+    one_error_line(capsys.readouterr().err, str(empty), "no logs")
+    assert rec.main(["stats", str(tmp_path / "nope.txt")]) == 2
+    one_error_line(capsys.readouterr().err, "nope.txt")
 
 
 def test_stats_single_run(tmp_path, capsys):
@@ -187,6 +282,33 @@ def test_diff_identical_is_empty(tmp_path, capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_diff_against_a_plain_script(tmp_path, capsys):
+    """A file without a separator line is a script, e.g. the working train_gpt.py."""
+    d = record_folder(tmp_path, losses=LOSSES[:3])
+    work = tmp_path / "train_gpt.py"
+    work.write_text(SCRIPT.replace("x = 1", "x = 2"))
+    assert rec.main(["diff", str(d), str(work)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"--- {d / 'run0.txt'}" and out[1] == f"+++ {work}"
+    assert [l for l in out[2:] if l[:1] in "+-"] == ["-    x = 1", "+    x = 2"]
+    assert rec.main(["diff", str(work), str(d / "run1.txt")]) == 0  # either side
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"--- {work}"
+    assert [l for l in out[2:] if l[:1] in "+-"] == ["-    x = 2", "+    x = 1"]
+    (tmp_path / "same.py").write_text(SCRIPT)
+    assert rec.main(["diff", str(tmp_path / "same.py"), str(d)]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == "" and "identical" in cap.err
+
+
+def test_diff_the_real_script_with_itself_as_a_log(tmp_path, capsys):
+    """train_gpt.py names the separator but has no separator line: it reads as a script."""
+    source = (REPO / "train_gpt.py").read_text(encoding="utf-8")
+    log = make_log(tmp_path / "real.txt", script=source, n=4, val_every=2)
+    assert rec.main(["diff", str(REPO / "train_gpt.py"), str(log)]) == 0
+    assert capsys.readouterr().out == ""
+
+
 # --------------------------------------------------------------------------- plot
 
 def test_plot_one_curve_per_run(tmp_path):
@@ -205,31 +327,143 @@ def test_plot_one_curve_per_run(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# --------------------------------------------------------------------------- replay
+# --------------------------------------------------------------------------- replay: the command
 
-def test_replay_runs_script_and_passes_args(tmp_path):
+def no_gpu():
+    return 0
+
+
+def test_replay_args_drop_run_id_and_resume_then_append():
+    recorded = ["--preset", "cpu", "--run_id", "old", "--seed", "1", "--resume", "ck/s100.pt",
+                "--val_files", "data/v_*.bin"]
+    assert rec.replay_args(recorded, ["--seed", "2", "--fp8", "off"]) == [
+        "--preset", "cpu", "--seed", "1", "--val_files", "data/v_*.bin", "--seed", "2", "--fp8", "off"]
+    # `--flag=value` and argparse's unique prefixes name the same flags
+    assert rec.replay_args(["--run_id=a", "--seed", "3", "--resume=b.pt", "--run", "c", "--resu", "d"]) == [
+        "--seed", "3"]
+    # a --run_id passed after `--` is the user's choice and is kept
+    assert rec.replay_args(["--run_id", "old"], ["--run_id", "new"]) == ["--run_id", "new"]
+    assert rec.replay_args([], []) == []
+
+
+def test_replay_command_reuses_recorded_args(tmp_path):
+    log = make_log(tmp_path / "abc.txt", n=4, val_every=2,
+                   args=["--preset", "cpu", "--run_id", "abc", "--seed", "1", "--resume", "x.pt",
+                         "--train_files", "data/with space/t_*.bin"])
+    cmd = rec.replay_command(log, ["--seed", "2"], gpus=no_gpu)
+    assert cmd == [sys.executable, ".replay_abc.py", "--preset", "cpu", "--seed", "1",
+                   "--train_files", "data/with space/t_*.bin", "--seed", "2"]
+    assert rec.replay_command(log, ["--seed", "2"], use_recorded_args=False, gpus=no_gpu,
+                              script_name="s.py") == [sys.executable, "s.py", "--seed", "2"]
+
+
+def test_replay_command_old_format_args(tmp_path):
+    log = old_log(tmp_path / "old.txt", n=4, val_every=2)
+    assert rec.recorded_args(rec.read_log(log), log) == OLD_ARGS.split()
+    assert rec.replay_command(log, ["--seed", "7"], gpus=no_gpu)[2:] == OLD_ARGS.split() + ["--seed", "7"]
+    quoted = make_log(tmp_path / "q.txt", n=4, val_every=2, args="--preset cpu --run_id 'my run' --seed 1",
+                      sha=None)
+    assert rec.replay_command(quoted, gpus=no_gpu)[2:] == ["--preset", "cpu", "--seed", "1"]
+
+
+def test_replay_command_without_args_line_warns(tmp_path, capsys):
+    log = make_log(tmp_path / "noargs.txt", n=4, val_every=2, args=None)
+    assert rec.replay_command(log, ["-x"], gpus=no_gpu)[2:] == ["-x"]
+    assert capsys.readouterr().err == (
+        f"records.py: warning: {log} has no args: line; passing only the arguments after --\n")
+
+
+def test_replay_command_unreadable_args_line(tmp_path):
+    log = make_log(tmp_path / "bad.txt", n=4, val_every=2, args='["--seed", 1')
+    with pytest.raises(rec.RecordError, match="unreadable args line"):
+        rec.replay_command(log, gpus=no_gpu)
+
+
+@pytest.mark.parametrize("nproc, world_size, gpus, expected", [
+    (None, None, 0, 0),   # nothing recorded, no GPU: plain python
+    (None, None, 4, 4),   # nothing recorded: one process per GPU
+    (None, 8, 1, 8),      # the log's world_size
+    (None, 1, 0, 0),      # one process without a GPU: plain python
+    (None, 1, 2, 1),      # one process on a GPU: torchrun with 1
+    (0, 8, 8, 0),         # --nproc 0: always plain python
+    (1, 8, 0, 0),
+    (2, 1, 0, 2),         # --nproc overrides the log
+])
+def test_choose_nproc(nproc, world_size, gpus, expected):
+    calls = []
+
+    def count():
+        calls.append(1)
+        return gpus
+
+    assert rec.choose_nproc(nproc, world_size, count) == expected
+    assert len(calls) <= 1
+    if nproc not in (None, 1) or (nproc is None and world_size not in (None, 1)):
+        assert not calls  # the GPU count (a subprocess importing torch) only when it matters
+
+
+def test_replay_command_torchrun_from_world_size(tmp_path):
+    log = make_log(tmp_path / "ws.txt", n=4, val_every=2, world_size=8, args=["--seed", "1"])
+    cmd = rec.replay_command(log, gpus=no_gpu)
+    i = cmd.index("--standalone")
+    assert cmd[i:] == ["--standalone", "--nproc_per_node=8", ".replay_ws.py", "--seed", "1"]
+    assert cmd[:i] in ([shutil.which("torchrun")], [sys.executable, "-m", "torch.distributed.run"])
+    assert rec.replay_command(log, nproc=2, gpus=no_gpu)[i + 1] == "--nproc_per_node=2"
+    assert rec.replay_command(log, nproc=0, gpus=no_gpu)[:2] == [sys.executable, ".replay_ws.py"]
+
+
+def test_usage_errors_are_one_line_exit_2(tmp_path, capsys):
+    log = make_log(tmp_path / "a.txt", n=4, val_every=2)
+    for argv, fragment in [([], "COMMAND"), (["bogus"], "bogus"), (["stats"], "PATH"),
+                           (["replay", "--nproc", "x", str(log)], "--nproc"),
+                           (["replay", "--nproc", "-1", str(log)], "--nproc"),
+                           (["replay", "--dir", str(tmp_path / "nope"), "--nproc", "0", str(log)], "nope"),
+                           (["diff", str(log)], "B")]:
+        assert rec.main(argv) == 2, argv
+        cap = capsys.readouterr()
+        one_error_line(cap.err, fragment)
+        assert "usage:" not in cap.err and cap.out == ""
+    assert not list(tmp_path.glob(".replay_*"))
+
+
+# --------------------------------------------------------------------------- replay: running it
+
+@pytest.mark.slow
+def test_replay_runs_script_with_recorded_and_extra_args(tmp_path, capfd):
     script = ("import sys, pathlib\n"
               "pathlib.Path('replayed.txt').write_text(' '.join(sys.argv[1:]))\n"
               "sys.exit(3)\n")
-    log = make_log(tmp_path / "logs" / "abc.txt", script=script)
-    rc = rec.main(["replay", "--nproc", "0", "--dir", str(tmp_path), str(log),
-                   "--", "--preset", "cpu", "-x"])
+    log = make_log(tmp_path / "logs" / "abc.txt", script=script, n=4, val_every=2,
+                   args=["--run_id", "abc", "--preset", "gpu"])
+    rc = rec.main(["replay", "--nproc", "0", "--dir", str(tmp_path), str(log), "--", "--preset", "cpu", "-x"])
     assert rc == 3
-    assert (tmp_path / "replayed.txt").read_text() == "--preset cpu -x"
+    assert (tmp_path / "replayed.txt").read_text() == "--preset gpu --preset cpu -x"
     assert not (tmp_path / ".replay_abc.py").exists()
+    cmd = [sys.executable, ".replay_abc.py", "--preset", "gpu", "--preset", "cpu", "-x"]
+    err = capfd.readouterr().err
+    assert err == f"records.py: replay: cd {shlex.quote(str(tmp_path))} && {shlex.join(cmd)}\n"
+
+    assert rec.main(["replay", "--no-args", "--nproc", "0", "--dir", str(tmp_path), str(log), "--", "-y"]) == 3
+    assert (tmp_path / "replayed.txt").read_text() == "-y"
 
 
-FAKE_TRAINER = """import sys, time, uuid
+FAKE_TRAINER = """import hashlib, json, sys, uuid
 from pathlib import Path
 
 def main():
+    argv = sys.argv[1:]
+    run_id = argv[argv.index("--run_id") + 1] if "--run_id" in argv else str(uuid.uuid4())
     source = Path(__file__).read_text(encoding="utf-8")
+    source = source if source.endswith("\\n") else source + "\\n"
     Path("logs").mkdir(exist_ok=True)
-    with open(f"logs/{uuid.uuid4()}.txt", "w", encoding="utf-8") as f:
-        f.write(source if source.endswith("\\n") else source + "\\n")
+    with open(f"logs/{run_id}.txt", "w", encoding="utf-8") as f:
+        f.write(source)
         f.write("=" * 100 + "\\n")
         f.write(f"Running Python {sys.version}\\n")
+        f.write(f"script_sha256 {hashlib.sha256(source.encode('utf-8')).hexdigest()}\\n")
         f.write("=" * 100 + "\\n")
+        f.write(f"args: {json.dumps(argv)}\\n")
+        f.write("world_size 1  grad_accum 1  device cpu\\n")
         n = 4
         for s in range(n + 1):
             ms = 10.0 * s
@@ -245,24 +479,33 @@ if __name__ == "__main__":
 """
 
 
-def test_contract_roundtrip_with_fake_trainer(tmp_path):
-    """A minimal trainer that follows the documented log contract: extract gives its
-    exact source back and replay writes a new log with the same script part."""
+@pytest.mark.slow
+def test_contract_roundtrip_with_fake_trainer(tmp_path, capfd):
+    """A minimal trainer that follows the documented log contract: extract gives its exact
+    source back (verified), and replay reruns it under a new run id with its recorded
+    arguments plus the ones after `--`."""
     (tmp_path / "train_gpt.py").write_text(FAKE_TRAINER)
-    subprocess.run([sys.executable, "train_gpt.py"], cwd=tmp_path, check=True, timeout=60)
-    (log,) = (tmp_path / "logs").glob("*.txt")
-    assert rec.extract_script_bytes(log) == FAKE_TRAINER.encode()
+    subprocess.run([sys.executable, "train_gpt.py", "--run_id", "first", "--seed", "1"],
+                   cwd=tmp_path, check=True, timeout=60)
+    log = tmp_path / "logs" / "first.txt"
+    before = log.read_bytes()
+    assert rec.extract_script_bytes(log) == FAKE_TRAINER.encode() and rec.verify_script(log)
     run = rec.parse_log(log)
     assert run.val_steps == [0, 2, 4] and run.final_loss == pytest.approx(4.6)
     assert run.final_time_ms == 40 and run.complete
-    assert rec.main(["replay", "--nproc", "0", "--dir", str(tmp_path), str(log)]) == 0
-    new = [p for p in (tmp_path / "logs").glob("*.txt") if p != log]
-    assert len(new) == 1
-    assert rec.extract_script_bytes(new[0]) == FAKE_TRAINER.encode()
+    assert rec.main(["replay", "--dir", str(tmp_path), str(log), "--", "--seed", "2"]) == 0
+    assert log.read_bytes() == before  # --run_id was dropped: a new log, the old one untouched
+    (new,) = [p for p in (tmp_path / "logs").glob("*.txt") if p != log]
+    assert rec.verify_script(new) and rec.extract_script_bytes(new) == FAKE_TRAINER.encode()
+    assert rec.recorded_args(rec.read_log(new), new) == ["--seed", "1", "--seed", "2"]
+    # the recorded world_size 1: plain python here, torchrun with 1 process where torch sees a GPU
+    (line,) = [l for l in capfd.readouterr().err.splitlines() if l.startswith("records.py:")]
+    assert line.startswith("records.py: replay: cd ") and line.endswith(".replay_first.py --seed 1 --seed 2")
 
 
 # --------------------------------------------------------------------------- CLI as a script
 
+@pytest.mark.slow
 def test_cli_runs_as_script(tmp_path):
     d = record_folder(tmp_path)
     r = subprocess.run([sys.executable, str(RECORDS_PY), "stats", str(d)],
@@ -273,6 +516,10 @@ def test_cli_runs_as_script(tmp_path):
         r = subprocess.run([sys.executable, str(RECORDS_PY), cmd, "--help"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "usage" in r.stdout.lower()
+    r = subprocess.run([sys.executable, str(RECORDS_PY), "stats", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == f"records.py: error: {tmp_path / 'nope'}: no such file or folder\n"
 
 
 # --------------------------------------------------------------------------- with the real trainer
@@ -284,26 +531,33 @@ TRAIN_ARGS = ["--preset", "cpu", "--num_scheduled_iterations", "4", "--num_exten
               "--final_val_window_blocks", "2", "--val_tokens", "1024", "--val_batch_size", "512"]
 
 
+@pytest.mark.slow
 def test_extract_and_replay_real_trainer_log(tmp_path):
-    """A real trainer log (synthetic data generated under tmp_path) round-trips through extract and replay."""
+    """A real trainer log (synthetic data generated under tmp_path) verifies, and a replay
+    with no arguments reruns it with the recorded ones under a new run id."""
     trainer = REPO / "train_gpt.py"
     shutil.copy2(trainer, tmp_path / "train_gpt.py")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
-    r = subprocess.run([sys.executable, "train_gpt.py", *TRAIN_ARGS], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "train_gpt.py", *TRAIN_ARGS, "--run_id", "orig"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    logs = sorted((tmp_path / "logs").glob("*.txt"))
-    assert len(logs) == 1
-    log = logs[0]
+    log = tmp_path / "logs" / "orig.txt"
+    assert sorted((tmp_path / "logs").glob("*.txt")) == [log]
     assert rec.extract_script_bytes(log) == trainer.read_bytes()
+    assert rec.verify_script(log) is True
+    parts = rec.read_log(log)
+    assert rec.recorded_args(parts, log) == [*TRAIN_ARGS, "--run_id", "orig"]
+    assert rec.recorded_world_size(parts) == 1
     run = rec.parse_log(log)
     assert run.complete and run.final_step == 4 and run.val_steps[-1] == 4
+    before = log.read_bytes()
 
-    rc = rec.main(["replay", "--nproc", "0", "--dir", str(tmp_path), str(log),
-                   "--", *TRAIN_ARGS])
-    assert rc == 0
-    new = [p for p in (tmp_path / "logs").glob("*.txt") if p != log]
-    assert len(new) == 1
-    assert rec.extract_script_bytes(new[0]) == rec.extract_script_bytes(log)
+    assert rec.main(["replay", "--nproc", "0", "--dir", str(tmp_path), str(log)]) == 0
+    assert log.read_bytes() == before
+    (new,) = [p for p in (tmp_path / "logs").glob("*.txt") if p != log]
+    assert rec.verify_script(new) is True
+    assert rec.extract_script_bytes(new) == rec.extract_script_bytes(log)
+    assert rec.recorded_args(rec.read_log(new), new) == TRAIN_ARGS
+    assert rec.parse_log(new).complete
     assert not list(tmp_path.glob(".replay_*.py"))
