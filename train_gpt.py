@@ -1,7 +1,9 @@
 """speedrun: train a GPT-2-small-class model on FineWeb to val loss <= 3.28, fast.
 
-One file on purpose: records copy it verbatim. Sections, in data-flow order:
-config -> FP8 ops -> kernels -> optimizers -> model -> data -> schedules -> training loop -> main().
+One file on purpose: records copy it verbatim. The sections follow one batch: configuration ->
+data (shards, the BOS-aligned loader) -> model -> head (FP8 matmul, softcapped loss) -> CPU fallbacks
+(chosen once in build_model) -> optimizers (Polar Express, NorMuon, DistAdam) -> schedules ->
+training loop (Trainer) -> main().
 Run with `./run.sh` (torchrun over all GPUs) or `python train_gpt.py --preset cpu`.
 Importing this module has no side effects; main() runs only under __main__.
 """
@@ -20,7 +22,6 @@ import platform
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field, fields
@@ -91,7 +92,7 @@ class Hyperparameters:
     adam_wd: float = hp_field(0.005, "DistAdam cautious weight decay")
     # run
     seed: int = hp_field(0, "random seed for initialization")
-    val_loss_every: int = hp_field(250, "validate every N steps (0: only at the start and the end)")
+    val_loss_every: int = hp_field(250, "validate every N steps and at the end (0: only at the end)")
     warmup_steps: int = hp_field(3, "untimed compile warm-up steps per stage, undone afterwards (0: none)")
     compile: bool = hp_field(True, "torch.compile the model (CUDA only; CPU always runs eager)")
     fp8: str = hp_field("auto", "FP8 head matmul in training: auto (CUDA, capability >= 8.9), on, off")
@@ -239,7 +240,570 @@ def tokens_per_rank(batch_tokens, world_size, accum, what="--batch_sizes"):
     return batch_tokens // (world_size * accum)
 
 # ----------------------------------------------------------------------------------------------
-# FP8 ops: the tied head matmul x @ W.T in float8 with static scales (forward e4m3, backward e5m2)
+# Data: .bin shards, BOS-aligned distributed batches, validation batches, a synthetic corpus
+
+BOS_ID = 50256  # <|endoftext|>: every document starts with it
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
+GPT2_VOCAB_SIZE = 50257  # shard token ids are GPT-2 ids
+BOS_SYNC_TOKENS = 4_000_000  # index this many tokens before returning; the rest in the background
+
+
+class DataError(ValueError):
+    """Missing or corrupt data; main() prints it as one line."""
+
+
+def read_shard(path, vocab_size=None, max_tokens=None):
+    """Tokens of a .bin shard as uint16, after checking the header against the file size; with
+    vocab_size, every id read must be below it; with max_tokens, only that prefix is read."""
+    path = Path(path)
+    header_bytes = SHARD_HEADER_INTS * 4
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            if size < header_bytes:
+                raise DataError(f"{path}: corrupt shard: {size} bytes is shorter than the {header_bytes}-byte header")
+            header = np.frombuffer(f.read(header_bytes), dtype="<i4")
+            if header[0] != SHARD_MAGIC:
+                raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a GPT-2 token shard")
+            if header[1] != SHARD_VERSION:
+                raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+            n = int(header[2])
+            if n < 0:
+                raise DataError(f"{path}: corrupt shard: negative token count {n} in the header")
+            expected = header_bytes + 2 * n
+            if size != expected:
+                what = "truncated" if size < expected else "oversized"
+                raise DataError(f"{path}: {what} shard: header says {n} tokens ({expected} bytes) but the file has "
+                                f"{size} bytes; re-download or re-tokenize it")
+            count = n if max_tokens is None else min(n, max_tokens)
+            tokens = np.frombuffer(f.read(2 * count), dtype="<u2")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read shard ({e.strerror or e})") from None
+    if vocab_size is not None and tokens.size and tokens.max() >= vocab_size:
+        position = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"{path}: token id {tokens[position]} at position {position} is not below the vocabulary "
+                        f"size {vocab_size}")
+    return tokens
+
+
+def write_shard(path, tokens):
+    """Write GPT-2 token ids as a .bin shard atomically: a unique temp file in the same folder,
+    removed on failure, renamed into place on success."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= GPT2_VOCAB_SIZE):
+        bad = tokens.min() if tokens.min() < 0 else tokens.max()
+        raise DataError(f"{path}: refusing to write token id {bad}: ids must be in [0, {GPT2_VOCAB_SIZE})")
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    write_atomically(Path(path), header.tobytes() + tokens.astype("<u2").tobytes())
+
+
+def write_atomically(path, data):
+    """Write bytes via a unique temp file next to `path`, fsync, rename: readers see the old file or
+    the new one, never a part; the temp file is removed if anything fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # usual permissions, unlike mkstemp's 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class BosIndex:
+    """Positions of BOS tokens in a shard: the first BOS_SYNC_TOKENS synchronously, the rest as a job
+    on `pool` (a background thread), so a new shard is usable at once."""
+
+    def __init__(self, tokens, pool):
+        head = np.flatnonzero(tokens[:BOS_SYNC_TOKENS] == BOS_ID)
+        self._parts = [head]
+        self._rest = None
+        if tokens.size > BOS_SYNC_TOKENS:
+            self._rest = pool.submit(lambda: np.flatnonzero(tokens[BOS_SYNC_TOKENS:] == BOS_ID) + BOS_SYNC_TOKENS)
+
+    def available(self, need_all=False):
+        """All positions indexed so far (waits for the background part if need_all or nothing is left)."""
+        if self._rest is not None and (need_all or self._rest.done()):
+            self._parts = [np.concatenate([self._parts[0], self._rest.result()])]
+            self._rest = None
+        return self._parts[0]
+
+    @property
+    def complete(self):
+        return self._rest is None
+
+
+def load_shard_with_index(path, pool, vocab_size=None):
+    tokens = read_shard(path, vocab_size)
+    return tokens, BosIndex(tokens, pool)
+
+
+def plan_pieces(bos, shard_len, cursor, world_size, rank_tokens, max_seq_len, index_complete=True):
+    """Walk BOS positions from `cursor`: rank 0 takes pieces until it has rank_tokens, then rank 1...
+    A piece starts at a BOS and ends at the next BOS, max_seq_len, or the rank's quota.
+    Returns ([(starts, lengths)] per rank, next cursor), or None if the BOS list runs out.
+    With an incomplete index the last known BOS has no known end, so it is not used."""
+    ends = np.append(bos[cursor + 1:], shard_len) if index_complete else bos[cursor + 1:]
+    if len(ends) == 0:
+        return None
+    lengths = np.minimum(ends - bos[cursor: cursor + len(ends)], max_seq_len)
+    cumulative = np.cumsum(lengths)
+    plan, taken, first = [], 0, 0
+    for _ in range(world_size):
+        last = int(np.searchsorted(cumulative, taken + rank_tokens))  # first piece reaching the quota
+        if last >= len(cumulative):
+            return None
+        piece_lengths = lengths[first: last + 1].copy()
+        piece_lengths[-1] -= cumulative[last] - (taken + rank_tokens)
+        plan.append((bos[cursor + first: cursor + last + 1], piece_lengths))
+        taken, first = int(cumulative[last]), last + 1
+    return plan, cursor + first
+
+
+def gather_pieces(tokens, starts, lengths):
+    index = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
+    return tokens[index]
+
+
+def padded_cu_seqlens(lengths, total):
+    """[0, l1, l1+l2, ..., total] padded with `total` to length total + 1 (static shape)."""
+    cu = np.full(total + 1, total, dtype=np.int32)
+    cu[0] = 0
+    bounds = np.cumsum(lengths)
+    bounds = bounds[bounds < total]
+    cu[1: 1 + len(bounds)] = bounds
+    return cu
+
+
+def to_device(inputs, targets, cu_seqlens, device):
+    """int32 inputs, int64 targets, int32 cu_seqlens; pinned + non_blocking on CUDA."""
+    tensors = [torch.from_numpy(inputs.astype(np.int32)), torch.from_numpy(targets.astype(np.int64)),
+               torch.from_numpy(cu_seqlens)]
+    if device.type == "cuda":
+        return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+    return [t.to(device) for t in tensors]
+
+
+class TrainLoader:
+    """BOS-aligned batches for one rank. The walk over documents is the same on every rank (each
+    computes the global plan and keeps its own part), so ranks never need to talk about data."""
+
+    def __init__(self, pattern, rank, world_size, device, cycle=False, pool=None):
+        self.files = sorted(glob.glob(pattern))
+        if not self.files:
+            raise DataError(f"no training shards match {pattern!r}; download them with "
+                            f"`python data/cached_fineweb10B.py` or pass --train_files")
+        self.rank, self.world_size, self.device, self.cycle = rank, world_size, device, cycle
+        # one background thread reads the next shard, one indexes BOS positions
+        self._pool = pool or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="loader")
+        self.reset()
+
+    def reset(self, shard=0, cursor=0, epoch=0):
+        self.shard, self.cursor, self.epoch = shard, cursor, epoch
+        self.tokens, self.bos = load_shard_with_index(self.files[shard], self._pool)
+        self._prefetch = self._pool.submit(load_shard_with_index, self.files[self._following_shard()], self._pool)
+
+    def close(self):
+        """Stop the background threads (a pending prefetch is dropped)."""
+        if isinstance(self._pool, concurrent.futures.Executor):
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _following_shard(self):
+        return (self.shard + 1) % len(self.files)
+
+    def state_dict(self):
+        return dict(shard=self.shard, cursor=self.cursor, epoch=self.epoch, files=self.files)
+
+    def load_state_dict(self, state):
+        if state["files"] != self.files:
+            raise DataError("the training shards differ from those of the checkpoint; pass the same --train_files")
+        self.reset(state["shard"], state["cursor"], state["epoch"])
+
+    def _advance_shard(self):
+        if self.shard + 1 == len(self.files):
+            if not self.cycle:
+                raise DataError(f"all {len(self.files)} training shards are used up; download more shards "
+                                f"(python data/cached_fineweb10B.py N) or pass --cycle_data true")
+            self.epoch += 1
+        self.shard = self._following_shard()
+        self.cursor = 0
+        self.tokens, self.bos = self._prefetch.result()
+        self._prefetch = self._pool.submit(load_shard_with_index, self.files[self._following_shard()], self._pool)
+
+    def next_batch(self, rank_tokens, max_seq_len):
+        """(inputs, targets, cu_seqlens) of rank_tokens tokens each for this rank."""
+        for _ in range(2 * len(self.files) + 1):
+            plan = None
+            if not self.bos.complete:
+                plan = plan_pieces(self.bos.available(), len(self.tokens), self.cursor, self.world_size, rank_tokens + 1,
+                                   max_seq_len, index_complete=self.bos.complete)
+            if plan is None:
+                plan = plan_pieces(self.bos.available(need_all=True), len(self.tokens), self.cursor, self.world_size,
+                                   rank_tokens + 1, max_seq_len)
+            if plan is not None:
+                break
+            self._advance_shard()
+        else:
+            raise DataError(f"the training shards {self.files[0]}... are too small for {rank_tokens} tokens per rank")
+        pieces, self.cursor = plan
+        starts, lengths = pieces[self.rank]
+        buf = gather_pieces(self.tokens, starts, lengths)
+        return to_device(buf[:-1], buf[1:], padded_cu_seqlens(lengths, rank_tokens), self.device)
+
+
+def read_validation_tokens(pattern, count, vocab_size=None):
+    """The first `count` tokens of the validation shards (in name order), reading no more than that."""
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise DataError(f"no validation shards match {pattern!r}; download them with "
+                        f"`python data/cached_fineweb10B.py` or pass --val_files")
+    parts, have = [], 0
+    for path in files:
+        if have == count:
+            break
+        parts.append(read_shard(path, vocab_size, max_tokens=count - have))
+        have += parts[-1].size
+    if have < count:
+        raise DataError(f"validation shards {pattern!r} hold {have} tokens; --val_tokens {count - 1} needs one more")
+    return np.concatenate(parts)
+
+
+def validation_batches(tokens, val_tokens, val_batch_size, rank, world_size, accum, device):
+    """The first val_tokens of `tokens` (read_validation_tokens), in val_batch_size steps; rank r takes
+    its contiguous slice of each step (split into `accum` forward passes). Not BOS-aligned; documents
+    still never mix in attention."""
+    chunk = tokens_per_rank(val_batch_size, world_size, accum, what="--val_batch_size")
+    for start in range(0, val_tokens, chunk * world_size):
+        begin = start + rank * chunk
+        buf = tokens[begin: begin + chunk + 1]
+        inputs = buf[:-1]
+        starts = np.flatnonzero(inputs == BOS_ID)
+        lengths = np.diff(np.concatenate([[0], starts[starts > 0], [chunk]]))
+        yield to_device(inputs, buf[1:], padded_cu_seqlens(lengths, chunk), device)
+
+
+def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512, topics=8):
+    """Write a deterministic corpus with learnable structure: BOS-started documents, each with a topic,
+    generated by a topic-dependent sparse Markov chain (4 successors per token, probs .6/.25/.1/.05).
+    A model must use context (the topic) and the previous token to reach ~1.1 nats/token;
+    the unigram entropy is ~ln(vocab). Returns the (train, val) paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    token_ids = rng.choice(np.arange(1000, 50000), size=vocab, replace=False)
+    successors = rng.integers(0, vocab, size=(topics, vocab, 4))
+    probs = np.array([0.6, 0.25, 0.1, 0.05])
+    paths = []
+    for name, n_tokens in (("synthetic_val_000000.bin", val_tokens), ("synthetic_train_000001.bin", train_tokens)):
+        docs = []
+        total = 0
+        while total < n_tokens:
+            n_docs, doc_len = 512, 1024
+            topic = rng.integers(0, topics, size=n_docs)
+            state = rng.integers(0, vocab, size=n_docs)
+            choices = rng.choice(4, size=(doc_len, n_docs), p=probs)
+            seq = np.empty((n_docs, doc_len), dtype=np.int64)
+            for t in range(doc_len):
+                seq[:, t] = state
+                state = successors[topic, state, choices[t]]
+            lengths = rng.integers(32, doc_len, size=n_docs)
+            for row, length in zip(seq, lengths):
+                docs.append(np.concatenate([[BOS_ID], token_ids[row[:length]]]))
+                total += length + 1
+        path = out_dir / name
+        write_shard(path, np.concatenate(docs)[:n_tokens])
+        paths.append(path)
+    return paths
+
+# ----------------------------------------------------------------------------------------------
+# Model: tied embedding, smear gate, value embeddings, sliding-window attention, ReLU^2 MLP, U-net
+# skip and backout (the head and its loss follow in the next section)
+
+GATE_INPUTS = 12  # the smear and attention gates read the first 12 channels of their input
+ATTN_BLOCK = 128  # FlexAttention tile size (tokens)
+
+
+def norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def tag(p, label, lr_mul=1.0, wd_mul=1.0):
+    """Attach what the optimizers need to know about a parameter."""
+    p.label, p.lr_mul, p.wd_mul = label, lr_mul, wd_mul
+    return p
+
+
+@dataclass(frozen=True)
+class LayerRoles:
+    attn_free: int  # layer without attention; also where the U-net skip lands
+    skip_source: int  # its output is added back before attn_free
+    backout: int  # its output is partly subtracted before the final norm
+    long_window: tuple  # layers with the long window (and the key shift)
+    value_embed: dict  # layer -> value-embedding table
+
+
+def layer_roles(num_layers):
+    """The 11-layer layout (skip 3->6, no attention in 6, backout 7, long windows 3 and 10,
+    value embeddings `. 1 2 ... 0 1 2`) expressed relative to the depth."""
+    attn_free = num_layers // 2 + 1
+    skip_source = attn_free - 3
+    backout = attn_free + 1
+    value_embed = {0: 1, 1: 2, num_layers - 3: 0, num_layers - 2: 1, num_layers - 1: 2}
+    if skip_source < 0 or backout > num_layers - 1 or len(value_embed) != 5 or attn_free in value_embed:
+        raise ConfigError(f"--num_layers {num_layers}: the layer roles (skip, backout, value embeddings, attention-free "
+                          f"layer) need at least 9 layers")
+    return LayerRoles(attn_free, skip_source, backout, (skip_source, num_layers - 1), value_embed)
+
+
+class Rotary(nn.Module):
+    """Half-truncated RoPE: head_dim/4 frequencies rotate, the other head_dim/4 pairs are position-free.
+    Also owns the softmax scale, since YaRN changes both together. The scale is kept in float64
+    (the reference keeps it as a Python float) and applied to the fp32 attention scores."""
+
+    INITIAL_ATTN_SCALE = 0.1
+
+    def __init__(self, head_dim):
+        super().__init__()
+        quarter = head_dim // 4
+        freqs = torch.cat([(1 / 1024) ** torch.linspace(0, 1, quarter), torch.zeros(quarter)])
+        self.register_buffer("initial_freqs", freqs, persistent=False)
+        self.register_buffer("freqs", freqs.clone())
+        self.register_buffer("attn_scale", torch.tensor(self.INITIAL_ATTN_SCALE, dtype=torch.float64))
+        self.window = None  # the long window (tokens) the frequencies are tuned for; None: not yet set
+
+    @torch.no_grad()
+    def reset(self):
+        self.freqs.copy_(self.initial_freqs)
+        self.attn_scale.fill_(self.INITIAL_ATTN_SCALE)
+        self.window = None
+
+    def follow_window(self, tokens):
+        """Apply YaRN when the long window changes; the first window after a reset is the base."""
+        if self.window is not None and tokens != self.window:
+            self.extend_window(self.window, tokens)
+        self.window = tokens
+
+    def get_extra_state(self):  # the window travels with freqs/attn_scale in state_dict()
+        return {"window": self.window}
+
+    def set_extra_state(self, state):
+        self.window = state["window"]
+
+    @torch.no_grad()
+    def extend_window(self, old_tokens, new_tokens):
+        """YaRN: slow frequencies (fewer than 1 turn over the old window) scale by old/new, fast ones
+        (32+ turns) stay, linear in between; the softmax scale grows by 0.2*ln(new/old) + 1."""
+        s = old_tokens / new_tokens
+        rotations = old_tokens * self.freqs / (2 * math.pi)
+        interp = ((rotations - 1) / (32 - 1)).clamp(0, 1)
+        self.freqs.mul_(s + interp * (1 - s))
+        self.attn_scale.mul_(0.2 * math.log(new_tokens / old_tokens) + 1)
+
+    def cos_sin(self, seq_len):
+        """(seq_len, 1, head_dim/2) tables, rounded to bf16 like the reference's cached tables."""
+        theta = torch.outer(torch.arange(seq_len, device=self.freqs.device, dtype=torch.float32), self.freqs)
+        return theta.cos().bfloat16()[:, None, :], theta.sin().bfloat16()[:, None, :]
+
+
+def apply_rotary(x, cos_sin):
+    cos, sin = cos_sin
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
+
+
+def shift_keys(k):
+    """On the position-free dims, key t takes key t-1 (position 0 keeps its own): one layer can then
+    match 'the token after X', i.e. an induction head. Like the reference, this does not stop at
+    document starts (the first key of a document carries the previous document's last key)."""
+    head_dim = k.size(-1)
+    prev = torch.cat([k[:1], k[:-1]])
+    free = torch.zeros(head_dim, dtype=torch.bool, device=k.device)
+    free[head_dim // 4: head_dim // 2] = True
+    free[3 * head_dim // 4:] = True
+    return torch.where(free, prev, k)
+
+
+def document_ids(cu_seqlens, seq_len):
+    """Document index of every position from padded cumulative boundaries [0, b1, ..., T, T, ...]."""
+    positions = torch.arange(seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens, positions, right=True) - 1
+
+
+def sliding_document_mask(docs, window_tokens):
+    """BlockMask for causal attention inside documents: query t sees keys t - window_tokens ... t
+    (inclusive, like FlashAttention's window_size=(w, 0)). Built from per-tile document ranges, so
+    nothing of size T x T is materialized."""
+    seq_len = docs.numel()
+    n_blocks = -(-seq_len // ATTN_BLOCK)
+    padded = torch.cat([docs, (docs[-1:] + 1).expand(n_blocks * ATTN_BLOCK - seq_len)])
+    tiles = padded.view(n_blocks, ATTN_BLOCK)
+    first, last = tiles[:, 0], tiles[:, -1]
+    q = torch.arange(n_blocks, device=docs.device)[:, None]
+    k = torch.arange(n_blocks, device=docs.device)[None, :]
+    gap = (q - k) * ATTN_BLOCK
+    any_allowed = (k <= q) & (gap - (ATTN_BLOCK - 1) <= window_tokens) & (last[k] >= first[q])
+    all_allowed = (k < q) & (gap + (ATTN_BLOCK - 1) <= window_tokens) & (first[q] == last[k]) & (first[k] == last[q])
+    partial = any_allowed & ~all_allowed
+
+    def as_indices(m):
+        counts = m.sum(dim=-1, dtype=torch.int32)
+        order = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts[None, None].contiguous(), order[None, None].contiguous()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window_tokens) & (padded[q_idx] == padded[kv_idx])
+
+    return BlockMask.from_kv_blocks(*as_indices(partial), *as_indices(all_allowed), BLOCK_SIZE=ATTN_BLOCK,
+                                    mask_mod=mask_mod, seq_lengths=(seq_len, seq_len))
+
+
+class FlexWindowAttention:
+    """The GPU attention: FlexAttention over a block mask (documents, causal, inclusive window).
+    An attention implementation builds a mask once per forward pass and applies it per layer."""
+
+    mask = staticmethod(sliding_document_mask)
+
+    def __call__(self, q, k, v, mask, scale):
+        """(T, H, D) tensors -> (T, H, D). `scale` (a 0-dim tensor) multiplies the fp32 scores, as a
+        softmax scale; as a tensor, YaRN's changes never recompile."""
+        scale = scale.float()
+        out = flex_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=mask, scale=1.0,
+                             score_mod=lambda score, b, h, q_idx, kv_idx: score * scale)
+        return out[0].transpose(0, 1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, num_heads, head_dim):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        hdim = num_heads * head_dim
+        bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
+        # Q, K, V and O in one (4*hdim, dim) matrix so it stacks with the MLP weights in NorMuon;
+        # O is applied as F.linear(y, W_o) (rows are output channels), which needs hdim == dim.
+        qkvo = torch.empty(4 * hdim, dim).uniform_(-bound, bound)
+        qkvo[3 * hdim:].zero_()
+        self.qkvo_w = tag(nn.Parameter(qkvo), "attn")
+        self.gate_w = tag(nn.Parameter(torch.zeros(num_heads, GATE_INPUTS)), "gate")
+
+    def forward(self, x, lambdas, ve, attention, mask, cos_sin, attn_scale, key_shift):
+        seq_len, hdim = x.size(0), self.num_heads * self.head_dim
+        w = self.qkvo_w.type_as(x)
+        # the attention lambdas scale the weights (QKV by λ0, O by λ1), as in the reference
+        q, k, v = F.linear(x, lambdas[0] * w[: 3 * hdim]).view(seq_len, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = apply_rotary(norm(q), cos_sin), apply_rotary(norm(k), cos_sin)
+        if key_shift:
+            k = shift_keys(k)
+        if ve is not None:
+            v = v + ve.view_as(v)
+        y = attention(q, k, v, mask, attn_scale)
+        y = y * torch.sigmoid(F.linear(x[:, :GATE_INPUTS], self.gate_w.type_as(x)))[..., None]
+        return F.linear(y.reshape(seq_len, hdim), lambdas[1] * w[3 * hdim:])
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
+        self.fc_w = tag(nn.Parameter(torch.empty(hidden, dim).uniform_(-bound, bound)), "mlp")
+        # Stored (hidden, dim) like fc_w so both stack with the attention weights.
+        self.proj_w = tag(nn.Parameter(torch.zeros(hidden, dim)), "mlp", lr_mul=2.0)
+
+    def forward(self, x):
+        return F.relu(F.linear(x, self.fc_w.type_as(x))).square() @ self.proj_w.type_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, num_heads, head_dim, has_attn):
+        super().__init__()
+        self.attn = Attention(dim, num_heads, head_dim) if has_attn else None
+        self.mlp = MLP(dim, 4 * dim)
+
+    def forward(self, x, attn_args):
+        if self.attn is not None:
+            x = x + self.attn(norm(x), **attn_args)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, world_size=1, window_block_tokens=128):
+        super().__init__()
+        self.roles = layer_roles(num_layers)
+        self.num_layers = num_layers
+        self.window_block_tokens = window_block_tokens
+        # the GPU paths; build_model swaps in the CPU fallbacks on a CPU
+        self.attention = FlexWindowAttention()
+        self.head_loss = softcap_cross_entropy
+        self.use_fp8 = False  # FP8 head matmul in training (build_model turns it on where supported)
+        padded_vocab = -(-vocab_size // 128) * 128
+        hdim = num_heads * head_dim
+        self.lm_head = nn.Linear(model_dim, padded_vocab, bias=False)
+        nn.init.normal_(self.lm_head.weight, std=0.005)
+        tag(self.lm_head.weight, "lm_head")  # also the input embedding table (tied)
+        self.value_embeds = nn.ParameterList(
+            [tag(nn.Parameter(torch.zeros(padded_vocab, hdim)), "value_embed", lr_mul=75.0) for _ in range(3)])
+        self.smear_gate_w = tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "gate")
+        self.blocks = nn.ModuleList(
+            [Block(model_dim, num_heads, head_dim, has_attn=i != self.roles.attn_free) for i in range(num_layers)])
+        self.rotary = Rotary(head_dim)
+        self.scalars = tag(nn.Parameter(initial_scalars(num_layers, world_size)), "scalars", lr_mul=5.0, wd_mul=0.0)
+
+    def scalar_views(self):
+        """Named views into the flat `scalars` parameter (layout of initial_scalars)."""
+        n, s = self.num_layers, self.scalars
+        return dict(resid=s[:n], x0=s[n: 2 * n], attn=s[2 * n: 4 * n].view(n, 2),
+                    smear=s[4 * n], backout=s[4 * n + 1], skip=s[4 * n + 2])
+
+    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks):
+        """Loss of one packed sequence; window_blocks = (short, long) attention windows in blocks."""
+        seq_len = input_seq.numel()
+        roles, lam = self.roles, self.scalar_views()
+        docs = document_ids(cu_seqlens, seq_len)
+        short_blocks, long_blocks = window_blocks
+        masks = {long: self.attention.mask(docs, blocks * self.window_block_tokens)
+                 for long, blocks in ((True, long_blocks), (False, short_blocks))}
+        cos_sin = self.rotary.cos_sin(seq_len)
+
+        x = F.embedding(input_seq, self.lm_head.weight)
+        # smear: each token's embedding takes a gated share of the previous one (across documents too)
+        gate = lam["smear"] * torch.sigmoid(F.linear(x[1:, :GATE_INPUTS], self.smear_gate_w.type_as(x)))
+        x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
+        x = x0 = norm(x)
+        ve = [F.embedding(input_seq, table) for table in self.value_embeds]
+        skip = backout = None
+        for i, block in enumerate(self.blocks):
+            if i == roles.attn_free:  # the U-net skip lands before this layer's residual scaling
+                x = x + torch.sigmoid(lam["skip"]) * skip
+            x = (lam["resid"][0] + lam["x0"][0]) * x if i == 0 else lam["resid"][i] * x + lam["x0"][i] * x0
+            long = i in roles.long_window
+            table = roles.value_embed.get(i)
+            attn_args = dict(lambdas=lam["attn"][i], ve=None if table is None else ve[table], attention=self.attention,
+                             mask=masks[long], cos_sin=cos_sin, attn_scale=self.rotary.attn_scale, key_shift=long)
+            x = block(x, attn_args)
+            if i == roles.skip_source:
+                skip = x
+            if i == roles.backout:
+                backout = x
+        x = norm(x - lam["backout"] * backout)
+        return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training, self.use_fp8)
+
+
+def initial_scalars(num_layers, world_size):
+    """resid λ (1.1) x L, x0 λ (0) x L, attention λ pairs (0.5, 1.0) x L, smear λ 0, backout λ 0.5,
+    skip λ -1.5; padded with ones to a multiple of the world size so DistAdam can shard it."""
+    n = num_layers
+    values = [1.1] * n + [0.0] * n + [0.5, 1.0] * n + [0.0, 0.5, -1.5]
+    values += [1.0] * (-len(values) % world_size)
+    return torch.tensor(values)
+
+# ----------------------------------------------------------------------------------------------
+# Head: the tied x @ W.T in FP8 (a custom op: e4m3 forward, e5m2 gradients, static scales) and the
+# softcapped cross-entropy
 
 # Static scales of the record's head: activations up to ~100, weights ~1.5, gradients ~0.75,
 # each divided by 448 (the largest finite float8_e4m3fn value) so they use the full e4m3 range.
@@ -304,32 +868,97 @@ def fp8_supported(device):
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def head_matmul(x, w, use_fp8):
+    """Logits x @ w.T of the tied head; FP8 in training where enabled, plain matmul otherwise."""
+    if use_fp8:
+        flat = x.reshape(-1, x.shape[-1])
+        return mm_fp8(flat.to(torch.bfloat16), w, *HEAD_FP8_SCALES)[0].view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w.type_as(x))
+
+
+# logits -> SOFTCAP * sigmoid(logits / SOFTCAP_WIDTH): a smooth cap in (0, 30) (a shifted 15*tanh)
+SOFTCAP, SOFTCAP_WIDTH = 30.0, 7.5
+
+
+def softcap_cross_entropy(x, weight, targets, training, use_fp8):
+    """The head and its loss on the GPU path: summed over tokens in training (the caller divides by
+    the accumulation steps), mean in fp32 for validation. The compiled graph fuses the softcap."""
+    logits = head_matmul(x, weight, use_fp8 and training)
+    logits = SOFTCAP * torch.sigmoid(logits.float() / SOFTCAP_WIDTH)
+    return F.cross_entropy(logits, targets, reduction="sum" if training else "mean")
+
+# ----------------------------------------------------------------------------------------------
+# CPU fallbacks, chosen once in build_model: FlexAttention has no CPU backward, so attention runs as
+# tiled SDPA with the same mask; the softcapped loss runs in chunks with gradients formed on the way;
+# Polar Express runs in fp32 (bf16 matmuls without native support are ~20x slower)
+
+def local_window_mask(docs, window_tokens):
+    """Queries in tiles of ATTN_BLOCK; each tile sees the window_tokens keys before it plus itself.
+    Returns (tile mask, keys looked back)."""
+    seq_len = docs.numel()
+    n_tiles = -(-seq_len // ATTN_BLOCK)
+    lookback = min(window_tokens, seq_len)
+    # Padding positions get one extra document id, so every query row has at least itself unmasked.
+    padded = torch.cat([docs, (docs[-1:] + 1).expand(n_tiles * ATTN_BLOCK - seq_len)])
+    q_pos = torch.arange(n_tiles * ATTN_BLOCK, device=docs.device).view(n_tiles, ATTN_BLOCK, 1)
+    k_pos = (torch.arange(n_tiles, device=docs.device)[:, None] * ATTN_BLOCK - lookback
+             + torch.arange(lookback + ATTN_BLOCK, device=docs.device)[None, :])[:, None, :]
+    k_doc = padded[k_pos.clamp_min(0)]
+    allowed = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos - k_pos <= window_tokens) & (padded[q_pos] == k_doc)
+    return allowed[:, None], lookback
+
+
+def local_window_attention(q, k, v, mask, scale):
+    """q, k, v (T, H, D) -> (T, H, D) with the tiles of local_window_mask, via one batched SDPA."""
+    allowed, lookback = mask
+    seq_len, n_tiles = q.size(0), allowed.size(0)
+    tail = n_tiles * ATTN_BLOCK - seq_len
+
+    def windows(t):  # (T, H, D) -> (tiles, H, lookback + ATTN_BLOCK, D)
+        t = F.pad(t, (0, 0, 0, 0, lookback, tail))
+        return t.unfold(0, lookback + ATTN_BLOCK, ATTN_BLOCK).permute(0, 1, 3, 2)
+
+    q_tiles = F.pad(q, (0, 0, 0, 0, 0, tail)).view(n_tiles, ATTN_BLOCK, *q.shape[1:]).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q_tiles, windows(k), windows(v), attn_mask=allowed, scale=float(scale))
+    return y.transpose(1, 2).reshape(n_tiles * ATTN_BLOCK, *q.shape[1:])[:seq_len]
+
+
+class TiledWindowAttention:
+    """The CPU attention: same mask semantics as FlexWindowAttention, via one batched SDPA over tiles."""
+
+    mask = staticmethod(local_window_mask)
+
+    def __call__(self, q, k, v, mask, scale):
+        return local_window_attention(q, k, v, mask, scale)
+
+
 SOFTCAP_CHUNK = 512  # rows of logits alive at once in the CPU loss
 
 
 def chunked_softcap_loss(x, w, targets, with_grads):
-    """Summed cross-entropy of softcapped logits 30*sigmoid(x @ w.T / 7.5), SOFTCAP_CHUNK rows at a
-    time; with_grads also forms d loss / d x and d loss / d w on the way. Used on CPU, where eager
-    elementwise passes over full (tokens, vocab) logits dominate; on GPU the compiled graph fuses this."""
+    """Summed cross-entropy of the softcapped logits of x @ w.T, SOFTCAP_CHUNK rows at a time;
+    with_grads also forms d loss / d x and d loss / d w on the way. On CPU, eager elementwise passes
+    over full (tokens, vocab) logits dominate; on GPU the compiled graph fuses them instead."""
     grad_x = torch.empty_like(x) if with_grads else None
     grad_w = torch.zeros_like(w) if with_grads else None
     total = x.new_zeros((), dtype=torch.float32)
     for start in range(0, x.size(0), SOFTCAP_CHUNK):
         xc, tc = x[start: start + SOFTCAP_CHUNK], targets[start: start + SOFTCAP_CHUNK]
         rows = torch.arange(tc.numel(), device=x.device)
-        logits = (xc @ w.T).float().div_(7.5).sigmoid_().mul_(30)
-        # d logits / d z = 4 s (1 - s) with s = logits / 30, i.e. logits * (30 - logits) / 225
-        slope = torch.rsub(logits, 30).mul_(logits) if with_grads else None
+        logits = (xc @ w.T).float().div_(SOFTCAP_WIDTH).sigmoid_().mul_(SOFTCAP)
+        # d logits / d z = SOFTCAP * s (1 - s) / SOFTCAP_WIDTH with s = logits / SOFTCAP,
+        # i.e. logits * (SOFTCAP - logits) / (SOFTCAP * SOFTCAP_WIDTH) = logits * (30 - logits) / 225
+        slope = torch.rsub(logits, SOFTCAP).mul_(logits) if with_grads else None
         target_logits = logits[rows, tc]
-        probs = logits.exp_()  # logits lie in (0, 30): exp cannot overflow, no max-subtraction needed
+        probs = logits.exp_()  # logits lie in (0, SOFTCAP): exp cannot overflow, no max-subtraction needed
         sum_exp = probs.sum(dim=1)
         total += (sum_exp.log() - target_logits).sum()
         if with_grads:
             probs.mul_(sum_exp.reciprocal_()[:, None])
             probs[rows, tc] -= 1
             grad_logits = probs.mul_(slope)
-            grad_x[start: start + SOFTCAP_CHUNK] = (grad_logits @ w.float()).div_(225).to(x.dtype)
-            grad_w += (grad_logits.T @ xc.float()).div_(225).to(w.dtype)
+            grad_x[start: start + SOFTCAP_CHUNK] = (grad_logits @ w.float()).div_(SOFTCAP * SOFTCAP_WIDTH).to(x.dtype)
+            grad_w += (grad_logits.T @ xc.float()).div_(SOFTCAP * SOFTCAP_WIDTH).to(w.dtype)
     return total, grad_x, grad_w
 
 
@@ -349,15 +978,39 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
         return grad_x * grad_total, grad_w * grad_total, None
 
 
-def head_matmul(x, w, use_fp8):
-    """Logits x @ w.T of the tied head; FP8 in training where enabled, plain matmul otherwise."""
-    if use_fp8:
-        flat = x.reshape(-1, x.shape[-1])
-        return mm_fp8(flat.to(torch.bfloat16), w, *HEAD_FP8_SCALES)[0].view(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w.type_as(x))
+def chunked_softcap_cross_entropy(x, weight, targets, training, use_fp8):
+    """softcap_cross_entropy for the CPU: same values, chunked (use_fp8 is ignored: no FP8 on CPU)."""
+    if training:
+        return ChunkedSoftcapLoss.apply(x, weight, targets)
+    return chunked_softcap_loss(x, weight, targets, with_grads=False)[0] / x.size(0)
+
+
+CPU_POLAR_EXPRESS = dict(use_triton=False, dtype=torch.float32)
+
+
+def use_cpu_fallbacks(model):
+    model.attention = TiledWindowAttention()
+    model.head_loss = chunked_softcap_cross_entropy
+    model.use_fp8 = False
+    return model
+
+
+def build_model(hp, world_size, device):
+    """The model on `device`: the GPU paths (bf16 embeddings and gates as in the reference, FP8 head
+    where supported or forced) on CUDA, the CPU fallbacks (fp32) on a CPU."""
+    model = GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, world_size,
+                hp.window_block_tokens).to(device)
+    if device.type != "cuda":
+        return use_cpu_fallbacks(model)
+    for p in [model.lm_head.weight, *model.value_embeds, model.smear_gate_w,
+              *(block.attn.gate_w for block in model.blocks if block.attn is not None)]:
+        p.data = p.data.to(torch.bfloat16)
+    model.use_fp8 = hp.fp8 == "on" or (hp.fp8 == "auto" and fp8_supported(device))
+    return model
 
 # ----------------------------------------------------------------------------------------------
-# Kernels: Polar Express orthogonalization with symmetric-product Triton kernels (torch elsewhere)
+# Optimizers: Polar Express orthogonalization (symmetric-product Triton kernels on GPU), NorMuon for
+# the hidden matrices and gates, sharded DistAdam for the embedding/head, value embeddings and scalars
 
 def xxt_torch(X, out=None):
     """X @ X.mT for (m, n) or (batch, m, n)."""
@@ -476,10 +1129,12 @@ POLAR_EXPRESS_COEFFS = (
 )
 
 
-def polar_express(G, use_triton=None, dtype=torch.bfloat16):
-    """Approximate orthogonalization (polar factor) of G (..., m, n); returns `dtype`."""
-    if use_triton is None:
-        use_triton = HAS_TRITON and G.is_cuda
+GPU_POLAR_EXPRESS = dict(use_triton=HAS_TRITON, dtype=torch.bfloat16)
+
+
+def polar_express(G, use_triton=HAS_TRITON, dtype=torch.bfloat16):
+    """Approximate orthogonalization (polar factor) of G (..., m, n) in `dtype`; the symmetric
+    products run as Triton kernels (GPU) or torch matmuls. Defaults: the GPU path."""
     xxt, ba_plus_caa = (xxt_triton, ba_plus_caa_triton) if use_triton else (xxt_torch, ba_plus_caa_torch)
     tall = G.size(-2) > G.size(-1)
     if tall:  # work on the wide side so the Gram matrix A is the smaller one
@@ -495,10 +1150,6 @@ def polar_express(G, use_triton=None, dtype=torch.bfloat16):
         X, Y = Y, X
     X = X.reshape(*lead, m, n)
     return X.mT if tall else X
-
-
-# ----------------------------------------------------------------------------------------------
-# Optimizers: NorMuon (hidden matrices, gates) and sharded DistAdam (embeddings, head, scalars)
 
 
 def dist_ready():
@@ -517,10 +1168,12 @@ class NorMuon:
     receives its gradients by reduce-scatter, updates them, and all-gathers the new weights. Groups
     are issued smallest first so their communication overlaps later compute. Gradients, momentum and
     second moments keep the parameter's dtype (fp32 matrices; bf16 gates on GPU), as in the reference.
+    `polar` holds polar_express's options: GPU_POLAR_EXPRESS, or CPU_POLAR_EXPRESS on a CPU.
     """
 
-    def __init__(self, params, lr, weight_decay, momentum, beta2=0.95):
+    def __init__(self, params, lr, weight_decay, momentum, beta2=0.95, polar=GPU_POLAR_EXPRESS):
         self.rank, self.world_size = world_info()
+        self.polar = polar
         by_shape = {}
         for p in params:
             by_shape.setdefault(tuple(p.shape), []).append(p)
@@ -538,7 +1191,7 @@ class NorMuon:
                 return torch.tensor(values + padding, dtype=torch.float32, device=device)
 
             self.param_groups.append(dict(
-                params=group_params, lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2, chunk=chunk,
+                params=group_params, lr=lr, initial_lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2, chunk=chunk,
                 # NorMuon normalizes per row for tall/square matrices and gates, per column for wide matrices.
                 reduce_dim=-1 if rows >= cols or is_gate else -2,
                 # step size multiplier sqrt(max(1, rows/cols)) x the parameter's lr_mul (stored shape)
@@ -602,11 +1255,11 @@ class NorMuon:
         buf = group["momentum_buffer"]
         buf.lerp_(grad, 1 - mu)
         nesterov = grad.lerp_(buf, mu)
-        update = torch.zeros_like(grad, dtype=polar_dtype(grad.device))
+        update = torch.zeros_like(grad, dtype=self.polar["dtype"])
         for label, lo, hi in label_runs([p.label for p in params]):
             # the merged attention weight is four matrices (Q, K, V, O) for both steps
             update[lo:hi] = normuon_direction(nesterov[lo:hi], group["second_moment"][lo:hi], 4 if label == "attn" else 1,
-                                              group["reduce_dim"], group["beta2"])
+                                              group["reduce_dim"], group["beta2"], self.polar)
         weights = torch.zeros_like(grad, dtype=torch.float32)
         if n_real:
             torch.stack([p.float() for p in params], out=weights[:n_real])
@@ -656,11 +1309,6 @@ def gather_chunks(local, world_size):
     return full
 
 
-def polar_dtype(device):
-    """bf16 on GPU; fp32 on CPU, where bf16 matmuls without native support are ~20x slower."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 def label_runs(labels):
     """[(label, start, stop)] for the maximal runs of equal consecutive labels."""
     runs = []
@@ -672,13 +1320,13 @@ def label_runs(labels):
     return [tuple(run) for run in runs]
 
 
-def normuon_direction(stack, second_moment, pieces, reduce_dim, beta2):
+def normuon_direction(stack, second_moment, pieces, reduce_dim, beta2, polar):
     """Polar Express, then variance normalization, of a (n, rows, cols) stack of one kind of matrix,
     each matrix treated as `pieces` row blocks of its own (second_moment is updated in place)."""
     n, rows, cols = stack.shape
     if pieces > 1 and reduce_dim != -1:
         raise ValueError("NorMuon: split matrices must be normalized per row")
-    update = polar_express(stack.reshape(n * pieces, rows // pieces, cols), dtype=polar_dtype(stack.device))
+    update = polar_express(stack.reshape(n * pieces, rows // pieces, cols), **polar)
     moment = second_moment.view(n * pieces, -1, second_moment.size(-1))
     return normalize_variance(update, moment, reduce_dim, beta2).view(n, rows, cols)
 
@@ -694,6 +1342,9 @@ def normalize_variance(update, second_moment, reduce_dim, beta2):
     step = second_moment.clamp_min(1e-10).rsqrt()
     norm_after = ((mean_square * axis_len) * step.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
     return update * (step * (norm_before / norm_after.clamp_min(1e-10))).type_as(update)
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class DistAdam:
@@ -714,7 +1365,7 @@ class DistAdam:
                 raise ValueError(
                     f"DistAdam: the first dimension of {p.label} ({p.shape[0]}) does not divide by the world size "
                     f"{self.world_size}; pad it (the vocabulary is padded to a multiple of 128)")
-            self.param_groups.append(dict(params=[p], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            self.param_groups.append(dict(params=[p], lr=lr, initial_lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           step=0, exp_avg=None, exp_avg_sq=None))
             p.register_post_accumulate_grad_hook(self._launch_reduce)
 
@@ -772,8 +1423,9 @@ class DistAdam:
         step_size = lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t))
         update = exp_avg.div_(exp_avg_sq.sqrt_().add_(group["eps"])).mul_(step_size)
         mask = (update * weight) >= 0  # cautious: decay only where the update agrees with the weight's sign
-        # decay factor lr * (lr * wd * wd_mul): it follows the square of the parameter's own lr
-        update.addcmul_(weight, mask, value=lr * group["weight_decay"] * p.wd_mul * lr)
+        # decay factor lr * (lr * wd * wd_mul): it follows the square of the parameter's own lr (an
+        # absurd lr saturates the factor instead of raising, so the run stops with the non-finite-loss hint)
+        update.addcmul_(weight, mask, value=min(lr * group["weight_decay"] * p.wd_mul * lr, FLOAT32_MAX))
         return weight.sub_(update)
 
     def state_dict(self):
@@ -795,320 +1447,6 @@ class DistAdam:
             for key in ("exp_avg", "exp_avg_sq"):
                 group[key] = None if entry[key] is None else self._slice(entry[key]).to(device).clone()
 
-# ----------------------------------------------------------------------------------------------
-# Model: tied embedding/head, value embeddings, smear gate, sliding-window attention, ReLU^2 MLP
-
-BOS_ID = 50256
-GATE_INPUTS = 12  # the smear and attention gates read the first 12 channels of their input
-ATTN_BLOCK = 128  # FlexAttention tile size (tokens)
-
-
-def norm(x):
-    return F.rms_norm(x, (x.size(-1),))
-
-
-def tag(p, label, lr_mul=1.0, wd_mul=1.0):
-    """Attach what the optimizers need to know about a parameter."""
-    p.label, p.lr_mul, p.wd_mul = label, lr_mul, wd_mul
-    return p
-
-
-@dataclass(frozen=True)
-class LayerRoles:
-    attn_free: int  # layer without attention; also where the U-net skip lands
-    skip_source: int  # its output is added back before attn_free
-    backout: int  # its output is partly subtracted before the final norm
-    long_window: tuple  # layers with the long window (and the key shift)
-    value_embed: dict  # layer -> value-embedding table
-
-
-def layer_roles(num_layers):
-    """The 11-layer layout (skip 3->6, no attention in 6, backout 7, long windows 3 and 10,
-    value embeddings `. 1 2 ... 0 1 2`) expressed relative to the depth."""
-    attn_free = num_layers // 2 + 1
-    skip_source = attn_free - 3
-    backout = attn_free + 1
-    value_embed = {0: 1, 1: 2, num_layers - 3: 0, num_layers - 2: 1, num_layers - 1: 2}
-    if skip_source < 0 or backout > num_layers - 1 or len(value_embed) != 5 or attn_free in value_embed:
-        raise ConfigError(f"--num_layers {num_layers}: the layer roles (skip, backout, value embeddings, attention-free "
-                          f"layer) need at least 9 layers")
-    return LayerRoles(attn_free, skip_source, backout, (skip_source, num_layers - 1), value_embed)
-
-
-class Rotary(nn.Module):
-    """Half-truncated RoPE: head_dim/4 frequencies rotate, the other head_dim/4 pairs are position-free.
-    Also owns the softmax scale, since YaRN changes both together. The scale is kept in float64
-    (the reference keeps it as a Python float) and applied to the fp32 attention scores."""
-
-    INITIAL_ATTN_SCALE = 0.1
-
-    def __init__(self, head_dim):
-        super().__init__()
-        quarter = head_dim // 4
-        freqs = torch.cat([(1 / 1024) ** torch.linspace(0, 1, quarter), torch.zeros(quarter)])
-        self.register_buffer("initial_freqs", freqs, persistent=False)
-        self.register_buffer("freqs", freqs.clone())
-        self.register_buffer("attn_scale", torch.tensor(self.INITIAL_ATTN_SCALE, dtype=torch.float64))
-
-    @torch.no_grad()
-    def reset(self):
-        self.freqs.copy_(self.initial_freqs)
-        self.attn_scale.fill_(self.INITIAL_ATTN_SCALE)
-
-    @torch.no_grad()
-    def extend_window(self, old_tokens, new_tokens):
-        """YaRN: slow frequencies (fewer than 1 turn over the old window) scale by old/new, fast ones
-        (32+ turns) stay, linear in between; the softmax scale grows by 0.2*ln(new/old) + 1."""
-        s = old_tokens / new_tokens
-        rotations = old_tokens * self.freqs / (2 * math.pi)
-        interp = ((rotations - 1) / (32 - 1)).clamp(0, 1)
-        self.freqs.mul_(s + interp * (1 - s))
-        self.attn_scale.mul_(0.2 * math.log(new_tokens / old_tokens) + 1)
-
-    def cos_sin(self, seq_len):
-        """(seq_len, 1, head_dim/2) tables, rounded to bf16 like the reference's cached tables."""
-        theta = torch.outer(torch.arange(seq_len, device=self.freqs.device, dtype=torch.float32), self.freqs)
-        return theta.cos().bfloat16()[:, None, :], theta.sin().bfloat16()[:, None, :]
-
-
-def apply_rotary(x, cos_sin):
-    cos, sin = cos_sin
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
-
-
-def shift_keys(k):
-    """On the position-free dims, key t takes key t-1 (position 0 keeps its own): one layer can then
-    match 'the token after X', i.e. an induction head. Like the reference, this does not stop at
-    document starts (the first key of a document carries the previous document's last key)."""
-    head_dim = k.size(-1)
-    prev = torch.cat([k[:1], k[:-1]])
-    free = torch.zeros(head_dim, dtype=torch.bool, device=k.device)
-    free[head_dim // 4: head_dim // 2] = True
-    free[3 * head_dim // 4:] = True
-    return torch.where(free, prev, k)
-
-
-def document_ids(cu_seqlens, seq_len):
-    """Document index of every position from padded cumulative boundaries [0, b1, ..., T, T, ...]."""
-    positions = torch.arange(seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    return torch.searchsorted(cu_seqlens, positions, right=True) - 1
-
-
-def sliding_document_mask(docs, window_tokens):
-    """BlockMask for causal attention inside documents: query t sees keys t - window_tokens ... t
-    (inclusive, like FlashAttention's window_size=(w, 0)). Built from per-tile document ranges, so
-    nothing of size T x T is materialized."""
-    seq_len = docs.numel()
-    n_blocks = -(-seq_len // ATTN_BLOCK)
-    padded = torch.cat([docs, (docs[-1:] + 1).expand(n_blocks * ATTN_BLOCK - seq_len)])
-    tiles = padded.view(n_blocks, ATTN_BLOCK)
-    first, last = tiles[:, 0], tiles[:, -1]
-    q = torch.arange(n_blocks, device=docs.device)[:, None]
-    k = torch.arange(n_blocks, device=docs.device)[None, :]
-    gap = (q - k) * ATTN_BLOCK
-    any_allowed = (k <= q) & (gap - (ATTN_BLOCK - 1) <= window_tokens) & (last[k] >= first[q])
-    all_allowed = (k < q) & (gap + (ATTN_BLOCK - 1) <= window_tokens) & (first[q] == last[k]) & (first[k] == last[q])
-    partial = any_allowed & ~all_allowed
-
-    def as_indices(m):
-        counts = m.sum(dim=-1, dtype=torch.int32)
-        order = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-        return counts[None, None].contiguous(), order[None, None].contiguous()
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window_tokens) & (padded[q_idx] == padded[kv_idx])
-
-    return BlockMask.from_kv_blocks(*as_indices(partial), *as_indices(all_allowed), BLOCK_SIZE=ATTN_BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(seq_len, seq_len))
-
-
-def local_window_mask(docs, window_tokens):
-    """For the CPU path (FlexAttention has no CPU backward): queries in tiles of ATTN_BLOCK, each tile
-    sees the window_tokens keys before it plus itself; returns (tile mask, keys looked back)."""
-    seq_len = docs.numel()
-    n_tiles = -(-seq_len // ATTN_BLOCK)
-    lookback = min(window_tokens, seq_len)
-    # Padding positions get one extra document id, so every query row has at least itself unmasked.
-    padded = torch.cat([docs, (docs[-1:] + 1).expand(n_tiles * ATTN_BLOCK - seq_len)])
-    q_pos = torch.arange(n_tiles * ATTN_BLOCK, device=docs.device).view(n_tiles, ATTN_BLOCK, 1)
-    k_pos = (torch.arange(n_tiles, device=docs.device)[:, None] * ATTN_BLOCK - lookback
-             + torch.arange(lookback + ATTN_BLOCK, device=docs.device)[None, :])[:, None, :]
-    k_doc = padded[k_pos.clamp_min(0)]
-    allowed = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos - k_pos <= window_tokens) & (padded[q_pos] == k_doc)
-    return allowed[:, None], lookback
-
-
-def local_window_attention(q, k, v, mask, scale):
-    """q, k, v (T, H, D) -> (T, H, D) with the tiles of local_window_mask, via one batched SDPA."""
-    allowed, lookback = mask
-    seq_len, n_tiles = q.size(0), allowed.size(0)
-    tail = n_tiles * ATTN_BLOCK - seq_len
-
-    def windows(t):  # (T, H, D) -> (tiles, H, lookback + ATTN_BLOCK, D)
-        t = F.pad(t, (0, 0, 0, 0, lookback, tail))
-        return t.unfold(0, lookback + ATTN_BLOCK, ATTN_BLOCK).permute(0, 1, 3, 2)
-
-    q_tiles = F.pad(q, (0, 0, 0, 0, 0, tail)).view(n_tiles, ATTN_BLOCK, *q.shape[1:]).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q_tiles, windows(k), windows(v), attn_mask=allowed, scale=float(scale))
-    return y.transpose(1, 2).reshape(n_tiles * ATTN_BLOCK, *q.shape[1:])[:seq_len]
-
-
-def attention_mask(docs, window_tokens, backend):
-    return sliding_document_mask(docs, window_tokens) if backend == "flex" else local_window_mask(docs, window_tokens)
-
-
-def attend(q, k, v, mask, backend, scale):
-    """Causal, in-document, sliding-window attention of (T, H, D) tensors. `scale` (a 0-dim tensor)
-    multiplies the fp32 scores, as a softmax scale; as a tensor, YaRN's changes never recompile."""
-    if backend == "flex":
-        scale = scale.float()
-        return flex_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=mask, scale=1.0,
-                              score_mod=lambda score, b, h, q_idx, kv_idx: score * scale)[0].transpose(0, 1)
-    return local_window_attention(q, k, v, mask, scale)
-
-
-class Attention(nn.Module):
-    def __init__(self, dim, num_heads, head_dim):
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
-        hdim = num_heads * head_dim
-        bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
-        # Q, K, V and O in one (4*hdim, dim) matrix so it stacks with the MLP weights in NorMuon;
-        # O is applied as F.linear(y, W_o) (rows are output channels), which needs hdim == dim.
-        qkvo = torch.empty(4 * hdim, dim).uniform_(-bound, bound)
-        qkvo[3 * hdim:].zero_()
-        self.qkvo_w = tag(nn.Parameter(qkvo), "attn")
-        self.gate_w = tag(nn.Parameter(torch.zeros(num_heads, GATE_INPUTS)), "gate")
-
-    def forward(self, x, lambdas, ve, mask, backend, cos_sin, attn_scale, key_shift):
-        seq_len, hdim = x.size(0), self.num_heads * self.head_dim
-        w = self.qkvo_w.type_as(x)
-        # the attention lambdas scale the weights (QKV by λ0, O by λ1), as in the reference
-        q, k, v = F.linear(x, lambdas[0] * w[: 3 * hdim]).view(seq_len, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = apply_rotary(norm(q), cos_sin), apply_rotary(norm(k), cos_sin)
-        if key_shift:
-            k = shift_keys(k)
-        if ve is not None:
-            v = v + ve.view_as(v)
-        y = attend(q, k, v, mask, backend, attn_scale)
-        y = y * torch.sigmoid(F.linear(x[:, :GATE_INPUTS], self.gate_w.type_as(x)))[..., None]
-        return F.linear(y.reshape(seq_len, hdim), lambdas[1] * w[3 * hdim:])
-
-
-class MLP(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
-        self.fc_w = tag(nn.Parameter(torch.empty(hidden, dim).uniform_(-bound, bound)), "mlp")
-        # Stored (hidden, dim) like fc_w so both stack with the attention weights.
-        self.proj_w = tag(nn.Parameter(torch.zeros(hidden, dim)), "mlp", lr_mul=2.0)
-
-    def forward(self, x):
-        return F.relu(F.linear(x, self.fc_w.type_as(x))).square() @ self.proj_w.type_as(x)
-
-
-class Block(nn.Module):
-    def __init__(self, dim, num_heads, head_dim, has_attn):
-        super().__init__()
-        self.attn = Attention(dim, num_heads, head_dim) if has_attn else None
-        self.mlp = MLP(dim, 4 * dim)
-
-    def forward(self, x, attn_args):
-        if self.attn is not None:
-            x = x + self.attn(norm(x), **attn_args)
-        return x + self.mlp(norm(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, world_size=1, window_block_tokens=128):
-        super().__init__()
-        self.roles = layer_roles(num_layers)
-        self.num_layers = num_layers
-        self.window_block_tokens = window_block_tokens
-        self.use_fp8 = False
-        self.attention_backend = "local"  # "flex" on CUDA (set by build_model); FlexAttention has no CPU backward
-        self.fused_cpu_loss = True  # chunked_softcap_loss (train and eval); build_model turns it off on CUDA
-        padded_vocab = -(-vocab_size // 128) * 128
-        hdim = num_heads * head_dim
-        self.lm_head = nn.Linear(model_dim, padded_vocab, bias=False)
-        nn.init.normal_(self.lm_head.weight, std=0.005)
-        tag(self.lm_head.weight, "lm_head")  # also the input embedding table (tied)
-        self.value_embeds = nn.ParameterList(
-            [tag(nn.Parameter(torch.zeros(padded_vocab, hdim)), "value_embed", lr_mul=75.0) for _ in range(3)])
-        self.smear_gate_w = tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "gate")
-        self.blocks = nn.ModuleList(
-            [Block(model_dim, num_heads, head_dim, has_attn=i != self.roles.attn_free) for i in range(num_layers)])
-        self.rotary = Rotary(head_dim)
-        self.scalars = tag(nn.Parameter(initial_scalars(num_layers, world_size)), "scalars", lr_mul=5.0, wd_mul=0.0)
-
-    def scalar_views(self):
-        """Named views into the flat `scalars` parameter (layout of initial_scalars)."""
-        n, s = self.num_layers, self.scalars
-        return dict(resid=s[:n], x0=s[n: 2 * n], attn=s[2 * n: 4 * n].view(n, 2),
-                    smear=s[4 * n], backout=s[4 * n + 1], skip=s[4 * n + 2])
-
-    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks):
-        """Loss of one packed sequence; window_blocks = (short, long) attention windows in blocks."""
-        seq_len = input_seq.numel()
-        roles, lam = self.roles, self.scalar_views()
-        docs = document_ids(cu_seqlens, seq_len)
-        short_blocks, long_blocks = window_blocks
-        masks = {long: attention_mask(docs, blocks * self.window_block_tokens, self.attention_backend)
-                 for long, blocks in ((True, long_blocks), (False, short_blocks))}
-        cos_sin = self.rotary.cos_sin(seq_len)
-
-        x = F.embedding(input_seq, self.lm_head.weight)
-        # smear: each token's embedding takes a gated share of the previous one (across documents too)
-        gate = lam["smear"] * torch.sigmoid(F.linear(x[1:, :GATE_INPUTS], self.smear_gate_w.type_as(x)))
-        x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
-        x = x0 = norm(x)
-        ve = [F.embedding(input_seq, table) for table in self.value_embeds]
-        skip = backout = None
-        for i, block in enumerate(self.blocks):
-            if i == roles.attn_free:  # the U-net skip lands before this layer's residual scaling
-                x = x + torch.sigmoid(lam["skip"]) * skip
-            x = (lam["resid"][0] + lam["x0"][0]) * x if i == 0 else lam["resid"][i] * x + lam["x0"][i] * x0
-            long = i in roles.long_window
-            table = roles.value_embed.get(i)
-            attn_args = dict(lambdas=lam["attn"][i], ve=None if table is None else ve[table], mask=masks[long],
-                             backend=self.attention_backend, cos_sin=cos_sin, attn_scale=self.rotary.attn_scale,
-                             key_shift=long)
-            x = block(x, attn_args)
-            if i == roles.skip_source:
-                skip = x
-            if i == roles.backout:
-                backout = x
-        x = norm(x - lam["backout"] * backout)
-        if self.fused_cpu_loss:
-            if self.training:
-                return ChunkedSoftcapLoss.apply(x, self.lm_head.weight, target_seq.long())
-            return chunked_softcap_loss(x, self.lm_head.weight, target_seq.long(), with_grads=False)[0] / seq_len
-        logits = head_matmul(x, self.lm_head.weight, self.use_fp8 and self.training)
-        logits = 30 * torch.sigmoid(logits.float() / 7.5)
-        return F.cross_entropy(logits, target_seq.long(), reduction="sum" if self.training else "mean")
-
-
-def initial_scalars(num_layers, world_size):
-    """resid λ (1.1) x L, x0 λ (0) x L, attention λ pairs (0.5, 1.0) x L, smear λ 0, backout λ 0.5,
-    skip λ -1.5; padded with ones to a multiple of the world size so DistAdam can shard it."""
-    n = num_layers
-    values = [1.1] * n + [0.0] * n + [0.5, 1.0] * n + [0.0, 0.5, -1.5]
-    values += [1.0] * (-len(values) % world_size)
-    return torch.tensor(values)
-
-
-def build_model(hp, world_size, device):
-    model = GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, world_size,
-                hp.window_block_tokens).to(device)
-    if device.type == "cuda":  # embedding-like weights and the gates live in bf16 on GPU, as in the reference
-        model.attention_backend = "flex"
-        model.fused_cpu_loss = False
-        for p in [model.lm_head.weight, *model.value_embeds, model.smear_gate_w,
-                  *(block.attn.gate_w for block in model.blocks if block.attn is not None)]:
-            p.data = p.data.to(torch.bfloat16)
-    return model
-
 
 def split_params_for_optimizers(model):
     """NorMuon: hidden matrices and gates. DistAdam, in order: head/embedding, value embeddings, scalars."""
@@ -1119,272 +1457,24 @@ def split_params_for_optimizers(model):
         raise AssertionError("optimizer parameter sets must cover every model parameter exactly once")
     return muon, adam
 
-# ----------------------------------------------------------------------------------------------
-# Data: .bin shards, BOS-aligned distributed batches, validation batches, a synthetic corpus
 
-SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
-GPT2_VOCAB_SIZE = 50257  # shard token ids are GPT-2 ids
-BOS_SYNC_TOKENS = 4_000_000  # index this many tokens before returning; the rest in the background
-
-
-class DataError(ValueError):
-    """Missing or corrupt data; main() prints it as one line."""
-
-
-def read_shard(path, vocab_size=None, max_tokens=None):
-    """Tokens of a .bin shard as uint16, after checking the header against the file size; with
-    vocab_size, every id read must be below it; with max_tokens, only that prefix is read."""
-    path = Path(path)
-    header_bytes = SHARD_HEADER_INTS * 4
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            header = np.frombuffer(f.read(header_bytes), dtype="<i4")
-            if size < header_bytes:
-                raise DataError(f"{path}: corrupt shard: {size} bytes is shorter than the {header_bytes}-byte header")
-            if header[0] != SHARD_MAGIC:
-                raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a GPT-2 token shard")
-            if header[1] != SHARD_VERSION:
-                raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
-            n = int(header[2])
-            if n < 0:
-                raise DataError(f"{path}: corrupt shard: negative token count {n} in the header")
-            expected = header_bytes + 2 * n
-            if size != expected:
-                what = "truncated" if size < expected else "oversized"
-                raise DataError(f"{path}: {what} shard: header says {n} tokens ({expected} bytes) but the file has "
-                                f"{size} bytes; re-download or re-tokenize it")
-            count = n if max_tokens is None else min(n, max_tokens)
-            tokens = np.frombuffer(f.read(2 * count), dtype="<u2")
-    except OSError as e:
-        raise DataError(f"{path}: cannot read shard ({e.strerror or e})") from None
-    if vocab_size is not None and tokens.size and tokens.max() >= vocab_size:
-        position = int(np.argmax(tokens >= vocab_size))
-        raise DataError(f"{path}: token id {tokens[position]} at position {position} is not below the vocabulary "
-                        f"size {vocab_size}")
-    return tokens
+def make_optimizers(model, hp):
+    """(NorMuon, DistAdam) for the model's parameters; Polar Express takes the CPU path on a CPU."""
+    muon_params, adam_params = split_params_for_optimizers(model)
+    on_cpu = model.lm_head.weight.device.type == "cpu"
+    muon = NorMuon(muon_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2,
+                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS)
+    adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd)
+    return muon, adam
 
 
-def write_shard(path, tokens):
-    """Write GPT-2 token ids as a .bin shard atomically: a unique temp file in the same folder,
-    removed on failure, renamed into place on success."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= GPT2_VOCAB_SIZE):
-        bad = tokens.min() if tokens.min() < 0 else tokens.max()
-        raise DataError(f"{path}: refusing to write token id {bad}: ids must be in [0, {GPT2_VOCAB_SIZE})")
-    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
-    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    write_atomically(Path(path), header.tobytes() + tokens.astype("<u2").tobytes())
-
-
-def write_atomically(path, data):
-    """Write bytes via a unique temp file next to `path`, fsync, rename: readers see the old file or
-    the new one, never a part; the temp file is removed if anything fails."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-class BosIndex:
-    """Positions of BOS tokens in a shard: the first BOS_SYNC_TOKENS synchronously, the rest in a
-    background thread, so a new shard is usable at once."""
-
-    _pool = None
-
-    def __init__(self, tokens):
-        head = np.flatnonzero(tokens[:BOS_SYNC_TOKENS] == BOS_ID)
-        self._parts = [head]
-        self._rest = None
-        if tokens.size > BOS_SYNC_TOKENS:
-            if BosIndex._pool is None:
-                BosIndex._pool = concurrent.futures.ThreadPoolExecutor(1)
-            self._rest = BosIndex._pool.submit(lambda: np.flatnonzero(tokens[BOS_SYNC_TOKENS:] == BOS_ID) + BOS_SYNC_TOKENS)
-
-    def available(self, need_all=False):
-        """All positions indexed so far (waits for the background part if need_all or nothing is left)."""
-        if self._rest is not None and (need_all or self._rest.done()):
-            self._parts = [np.concatenate([self._parts[0], self._rest.result()])]
-            self._rest = None
-        return self._parts[0]
-
-    @property
-    def complete(self):
-        return self._rest is None
-
-
-def load_shard_with_index(path):
-    tokens = read_shard(path)
-    return tokens, BosIndex(tokens)
-
-
-def plan_pieces(bos, shard_len, cursor, world_size, rank_tokens, max_seq_len, index_complete=True):
-    """Walk BOS positions from `cursor`: rank 0 takes pieces until it has rank_tokens, then rank 1...
-    A piece starts at a BOS and ends at the next BOS, max_seq_len, or the rank's quota.
-    Returns ([(starts, lengths)] per rank, next cursor), or None if the BOS list runs out.
-    With an incomplete index the last known BOS has no known end, so it is not used."""
-    ends = np.append(bos[cursor + 1:], shard_len) if index_complete else bos[cursor + 1:]
-    if len(ends) == 0:
-        return None
-    lengths = np.minimum(ends - bos[cursor: cursor + len(ends)], max_seq_len)
-    cumulative = np.cumsum(lengths)
-    plan, taken, first = [], 0, 0
-    for _ in range(world_size):
-        last = int(np.searchsorted(cumulative, taken + rank_tokens))  # first piece reaching the quota
-        if last >= len(cumulative):
-            return None
-        piece_lengths = lengths[first: last + 1].copy()
-        piece_lengths[-1] -= cumulative[last] - (taken + rank_tokens)
-        plan.append((bos[cursor + first: cursor + last + 1], piece_lengths))
-        taken, first = int(cumulative[last]), last + 1
-    return plan, cursor + first
-
-
-def gather_pieces(tokens, starts, lengths):
-    index = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
-    return tokens[index]
-
-
-def padded_cu_seqlens(lengths, total):
-    """[0, l1, l1+l2, ..., total] padded with `total` to length total + 1 (static shape)."""
-    cu = np.full(total + 1, total, dtype=np.int32)
-    cu[0] = 0
-    bounds = np.cumsum(lengths)
-    bounds = bounds[bounds < total]
-    cu[1: 1 + len(bounds)] = bounds
-    return cu
-
-
-def to_device(inputs, targets, cu_seqlens, device):
-    """int32 inputs, int64 targets, int32 cu_seqlens; pinned + non_blocking on CUDA."""
-    tensors = [torch.from_numpy(inputs.astype(np.int32)), torch.from_numpy(targets.astype(np.int64)),
-               torch.from_numpy(cu_seqlens)]
-    if device.type == "cuda":
-        return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
-    return [t.to(device) for t in tensors]
-
-
-class TrainLoader:
-    """BOS-aligned batches for one rank. The walk over documents is the same on every rank (each
-    computes the global plan and keeps its own part), so ranks never need to talk about data."""
-
-    def __init__(self, pattern, rank, world_size, device, cycle=False):
-        self.files = sorted(glob.glob(pattern))
-        if not self.files:
-            raise DataError(f"no training shards match {pattern!r}; download them with "
-                            f"`python data/cached_fineweb10B.py` or pass --train_files")
-        self.rank, self.world_size, self.device, self.cycle = rank, world_size, device, cycle
-        self._next = concurrent.futures.ThreadPoolExecutor(1)
-        self.reset()
-
-    def reset(self, shard=0, cursor=0, epoch=0):
-        self.shard, self.cursor, self.epoch = shard, cursor, epoch
-        self.tokens, self.bos = load_shard_with_index(self.files[shard])
-        self._prefetch = self._next.submit(load_shard_with_index, self.files[self._following_shard()])
-
-    def _following_shard(self):
-        return (self.shard + 1) % len(self.files)
-
-    def state_dict(self):
-        return dict(shard=self.shard, cursor=self.cursor, epoch=self.epoch, files=self.files)
-
-    def load_state_dict(self, state):
-        if state["files"] != self.files:
-            raise DataError("the training shards differ from those of the checkpoint; pass the same --train_files")
-        self.reset(state["shard"], state["cursor"], state["epoch"])
-
-    def _advance_shard(self):
-        if self.shard + 1 == len(self.files):
-            if not self.cycle:
-                raise DataError(f"all {len(self.files)} training shards are used up; download more shards "
-                                f"(python data/cached_fineweb10B.py N) or pass --cycle_data true")
-            self.epoch += 1
-        self.shard = self._following_shard()
-        self.cursor = 0
-        self.tokens, self.bos = self._prefetch.result()
-        self._prefetch = self._next.submit(load_shard_with_index, self.files[self._following_shard()])
-
-    def next_batch(self, rank_tokens, max_seq_len):
-        """(inputs, targets, cu_seqlens) of rank_tokens tokens each for this rank."""
-        for _ in range(2 * len(self.files) + 1):
-            plan = None
-            if not self.bos.complete:
-                plan = plan_pieces(self.bos.available(), len(self.tokens), self.cursor, self.world_size, rank_tokens + 1,
-                                   max_seq_len, index_complete=self.bos.complete)
-            if plan is None:
-                plan = plan_pieces(self.bos.available(need_all=True), len(self.tokens), self.cursor, self.world_size,
-                                   rank_tokens + 1, max_seq_len)
-            if plan is not None:
-                break
-            self._advance_shard()
-        else:
-            raise DataError(f"the training shards {self.files[0]}... are too small for {rank_tokens} tokens per rank")
-        pieces, self.cursor = plan
-        starts, lengths = pieces[self.rank]
-        buf = gather_pieces(self.tokens, starts, lengths)
-        return to_device(buf[:-1], buf[1:], padded_cu_seqlens(lengths, rank_tokens), self.device)
-
-
-def validation_batches(pattern, val_tokens, val_batch_size, rank, world_size, accum, device):
-    """The first val_tokens tokens, in val_batch_size steps; rank r takes its contiguous slice of each
-    step (split into `accum` forward passes). Not BOS-aligned; documents still never mix in attention."""
-    files = sorted(glob.glob(pattern))
-    if not files:
-        raise DataError(f"no validation shards match {pattern!r}; download them with "
-                        f"`python data/cached_fineweb10B.py` or pass --val_files")
-    tokens = np.concatenate([read_shard(f) for f in files])
-    if tokens.size < val_tokens + 1:
-        raise DataError(f"validation shards {pattern!r} hold {tokens.size} tokens; --val_tokens {val_tokens} needs one more")
-    chunk = tokens_per_rank(val_batch_size, world_size, accum, what="--val_batch_size")
-    for start in range(0, val_tokens, chunk * world_size):
-        begin = start + rank * chunk
-        buf = tokens[begin: begin + chunk + 1]
-        inputs = buf[:-1]
-        starts = np.flatnonzero(inputs == BOS_ID)
-        lengths = np.diff(np.concatenate([[0], starts[starts > 0], [chunk]]))
-        yield to_device(inputs, buf[1:], padded_cu_seqlens(lengths, chunk), device)
-
-
-def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512, topics=8):
-    """Write a deterministic corpus with learnable structure: BOS-started documents, each with a topic,
-    generated by a topic-dependent sparse Markov chain (4 successors per token, probs .6/.25/.1/.05).
-    A model must use context (the topic) and the previous token to reach ~1.1 nats/token;
-    the unigram entropy is ~ln(vocab). Returns the (train, val) paths."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    token_ids = rng.choice(np.arange(1000, 50000), size=vocab, replace=False)
-    successors = rng.integers(0, vocab, size=(topics, vocab, 4))
-    probs = np.array([0.6, 0.25, 0.1, 0.05])
-    paths = []
-    for name, n_tokens in (("synthetic_val_000000.bin", val_tokens), ("synthetic_train_000001.bin", train_tokens)):
-        docs = []
-        total = 0
-        while total < n_tokens:
-            n_docs, doc_len = 512, 1024
-            topic = rng.integers(0, topics, size=n_docs)
-            state = rng.integers(0, vocab, size=n_docs)
-            choices = rng.choice(4, size=(doc_len, n_docs), p=probs)
-            seq = np.empty((n_docs, doc_len), dtype=np.int64)
-            for t in range(doc_len):
-                seq[:, t] = state
-                state = successors[topic, state, choices[t]]
-            lengths = rng.integers(32, doc_len, size=n_docs)
-            for row, length in zip(seq, lengths):
-                docs.append(np.concatenate([[BOS_ID], token_ids[row[:length]]]))
-                total += length + 1
-        path = out_dir / name
-        write_shard(path, np.concatenate(docs)[:n_tokens])
-        paths.append(path)
-    return paths
+def step_optimizers(step, muon, adam):
+    """NorMuon every step; DistAdam on odd steps (its gradients accumulate over two steps)."""
+    muon.step()
+    muon.zero_grad()
+    if adam_steps_at(step):
+        adam.step()
+        adam.zero_grad()
 
 # ----------------------------------------------------------------------------------------------
 # Schedules: everything that changes with the step (record: 1995 scheduled steps in thirds + 40 extension)
@@ -1455,8 +1545,22 @@ def stage_first_steps(hp):
     total = hp.num_scheduled_iterations + hp.num_extension_iterations
     return [s for s in range(total) if s == 0 or stage_at(s, hp) != stage_at(s - 1, hp)]
 
+
+def apply_schedule(step, hp, model, *optimizers):
+    """Set what changes with the step: each optimizer group's lr (its initial lr x the multiplier),
+    NorMuon's momentum, and YaRN on the model's rotary embedding. Returns (batch size, windows)."""
+    lr_multiplier = lr_multiplier_at(step, hp)
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * lr_multiplier
+            if "momentum" in group:
+                group["momentum"] = muon_momentum_at(step, hp)
+    windows = window_blocks_at(step, hp)
+    model.rotary.follow_window(windows[1] * hp.window_block_tokens)
+    return batch_size_at(step, hp), windows
+
 # ----------------------------------------------------------------------------------------------
-# Training loop: warm-up, timed steps, validation, checkpoints, logs
+# Training loop: setup, warm-up, timed steps, validation, checkpoints, logs
 
 SEPARATOR = "=" * 100
 CHECKPOINT_MAGIC = b"SPEEDRUN-CKPT-1\n"
@@ -1473,12 +1577,9 @@ class RunLog:
         self.path, self.enabled = path, enabled
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
-            source = Path(__file__).read_text(encoding="utf-8")
-            source = source if source.endswith("\n") else source + "\n"
-            digest = hashlib.sha256(source.encode("utf-8")).hexdigest()
             with path.open("w", encoding="utf-8") as f:
-                f.write(source)
-                f.write(f"{SEPARATOR}\n{environment_report()}script_sha256 {digest}\n{SEPARATOR}\n")
+                f.write(script_source())
+                f.write(f"{SEPARATOR}\n{environment_report()}script_sha256 {script_sha256()}\n{SEPARATOR}\n")
 
     def __call__(self, line, console=True):
         if not self.enabled:
@@ -1501,8 +1602,15 @@ def environment_report():
     return "\n".join(lines) + "\n"
 
 
+def script_source():
+    """This script's text as logged (always ending with a newline)."""
+    source = Path(__file__).read_text(encoding="utf-8")
+    return source if source.endswith("\n") else source + "\n"
+
+
 def script_sha256():
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    """The sha256 of the logged script: written into logs and checkpoints, checked on replay and resume."""
+    return hashlib.sha256(script_source().encode("utf-8")).hexdigest()
 
 
 def save_checkpoint(path, payload):
@@ -1543,17 +1651,26 @@ def setup_distributed(hp):
 
 
 def resolve_data(hp, rank):
-    """Prefix $DATA_PATH; fall back to the synthetic corpus where the preset allows it."""
+    """(train glob, val glob, description), prefixed by $DATA_PATH. The synthetic corpus replaces the
+    data only with --synthetic_fallback, when both globs are left at their defaults and match nothing;
+    a glob the user gave that matches nothing is an error."""
     root = Path(os.environ.get("DATA_PATH", "."))
     train, val = str(root / hp.train_files), str(root / hp.val_files)
-    if hp.synthetic_fallback and not (glob.glob(train) and glob.glob(val)):
+    defaults = Hyperparameters()
+    untouched = (hp.train_files, hp.val_files) == (defaults.train_files, defaults.val_files)
+    if hp.synthetic_fallback and untouched and not (glob.glob(train) and glob.glob(val)):
         folder = root / "data" / "synthetic"
         train, val = str(folder / "synthetic_train_*.bin"), str(folder / "synthetic_val_*.bin")
         if rank == 0 and not (glob.glob(train) and glob.glob(val)):
             synthetic_corpus(folder)
         if dist_ready():
             dist.barrier()
-    return train, val
+        return train, val, f"the synthetic corpus in {folder} (no shards match the default --train_files/--val_files)"
+    for flag, pattern in (("--train_files", train), ("--val_files", val)):
+        if not glob.glob(pattern):
+            raise DataError(f"{flag} {pattern!r} matches no file; download shards with `python data/cached_fineweb10B.py` "
+                            f"or pass a glob that matches")
+    return train, val, f"train {train}, val {val}"
 
 
 class Trainer:
@@ -1571,84 +1688,63 @@ class Trainer:
         self.log(f"args: {json.dumps(list(argv))}", console=False)
         self.log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
         self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
-        train_pattern, self.val_pattern = resolve_data(hp, self.rank)
-        if not glob.glob(self.val_pattern):  # fail now, not at the first validation after the warm-up
-            raise DataError(f"no validation shards match {self.val_pattern!r}; download them with "
-                            f"`python data/cached_fineweb10B.py` or pass --val_files")
+        train_pattern, val_pattern, data_description = resolve_data(hp, self.rank)
+        self.log(f"data: {data_description}")
+        self.val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1)  # read once, checked now
         torch.manual_seed(hp.seed)
         self.model = build_model(hp, self.world_size, self.device)
-        self.model.use_fp8 = hp.fp8 == "on" or (hp.fp8 == "auto" and fp8_supported(self.device))
         if self.world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.data, 0)
-        muon_params, adam_params = split_params_for_optimizers(self.model)
-        self.muon = NorMuon(muon_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2)
-        self.adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd)
+        self.muon, self.adam = make_optimizers(self.model, hp)
         self.forward = self.model
         if self.device.type == "cuda" and hp.compile:
             torch._dynamo.config.cache_size_limit = 64
             self.forward = torch.compile(self.model, dynamic=False, fullgraph=True)
         self.loader = TrainLoader(train_pattern, self.rank, self.world_size, self.device, hp.cycle_data)
         self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
-        self.window = window_blocks_at(0, hp)
         self.step = 0
         self.training_time_ms = 0.0
         self.tokens_seen = 0
         self.profiler = None
 
     # --- one step -------------------------------------------------------------------------
-    def set_window(self, blocks, yarn=True):
-        """blocks = (short, long); YaRN follows the long window's changes."""
-        if blocks[1] != self.window[1] and yarn:
-            tokens = self.hp.window_block_tokens
-            self.model.rotary.extend_window(self.window[1] * tokens, blocks[1] * tokens)
-        self.window = blocks
-
     def train_step(self, step):
+        """One optimizer step: the step's schedule, `accum` micro-batches forward and backward, the
+        optimizers. Returns the step's loss as a device tensor (reading it waits for the GPU)."""
         hp = self.hp
-        self.set_window(window_blocks_at(step, hp))
-        rank_tokens = tokens_per_rank(batch_size_at(step, hp), self.world_size, self.accum)
-        lr_mul = lr_multiplier_at(step, hp)
-        for group in self.muon.param_groups:
-            group["lr"], group["momentum"] = hp.muon_lr * lr_mul, muon_momentum_at(step, hp)
-        for group in self.adam.param_groups:
-            group["lr"] = hp.adam_lr * lr_mul
+        batch_size, windows = apply_schedule(step, hp, self.model, self.muon, self.adam)
+        rank_tokens = tokens_per_rank(batch_size, self.world_size, self.accum)
         self.model.train()
         total = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             inputs, targets, cu_seqlens = self.loader.next_batch(rank_tokens, hp.max_seq_len)
             self.adam.sync_grads = adam_steps_at(step) and micro == self.accum - 1
-            loss = self.forward(inputs, targets, cu_seqlens, self.window) / self.accum
+            loss = self.forward(inputs, targets, cu_seqlens, windows) / self.accum
             loss.backward()
             total += loss.detach()
-        self.muon.step()
-        self.muon.zero_grad()
-        if adam_steps_at(step):
-            self.adam.step()
-            self.adam.zero_grad()
+        step_optimizers(step, self.muon, self.adam)
         self.tokens_seen += rank_tokens * self.accum * self.world_size
         return total
 
     @torch.no_grad()
-    def validate(self, window_blocks):
+    def validate(self, windows):
+        """Mean loss over the validation tokens, all ranks together, with the given (short, long) windows."""
         hp = self.hp
-        saved_window = self.window
-        self.set_window(window_blocks, yarn=False)
         self.model.eval()
-        losses = [self.forward(*batch, self.window) for batch in validation_batches(
-            self.val_pattern, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size, self.accum, self.device)]
+        losses = [self.forward(*batch, windows) for batch in validation_batches(
+            self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size, self.accum, self.device)]
         loss = torch.stack(losses).mean()
         if self.world_size > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        self.window = saved_window
         return loss.item()
 
     # --- state -------------------------------------------------------------------------------
     def snapshot(self):
         """Everything a bit-exact continuation needs (collective when distributed)."""
         return dict(
-            step=self.step, training_time_ms=self.training_time_ms, tokens_seen=self.tokens_seen, window=self.window,
-            model={k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            step=self.step, training_time_ms=self.training_time_ms, tokens_seen=self.tokens_seen,
+            model={k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in self.model.state_dict().items()},
             muon=self.muon.state_dict(), adam=self.adam.state_dict(), loader=self.loader.state_dict(),
             rng=dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None),
             script_sha256=script_sha256(), world_size=self.world_size, hyperparameters=dataclasses.asdict(self.hp))
@@ -1662,7 +1758,7 @@ class Trainer:
         if snap["rng"]["cuda"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state_all(snap["rng"]["cuda"])
         self.step, self.training_time_ms = snap["step"], snap["training_time_ms"]
-        self.tokens_seen, self.window = snap["tokens_seen"], snap["window"]
+        self.tokens_seen = snap["tokens_seen"]
         self.muon.zero_grad()
         self.adam.zero_grad()
 
@@ -1688,11 +1784,10 @@ class Trainer:
         for first in stage_first_steps(self.hp):
             for step in range(first, first + self.hp.warmup_steps):
                 self.train_step(step)
-        self.validate(self.window)
+        self.validate(window_blocks_at(self.total_steps, self.hp))
         self.validate(final_window_blocks(self.hp))
         self.restore(initial)
         self.model.rotary.reset()
-        self.window = window_blocks_at(0, self.hp)
         self.synchronize()
 
     def synchronize(self):
@@ -1721,10 +1816,10 @@ class Trainer:
         self.clock_start = time.perf_counter()
         for step in range(self.step, self.total_steps + 1):
             last = step == self.total_steps
-            self.set_window(window_blocks_at(step, hp))  # a validation at step s sees step s's window
+            _, windows = apply_schedule(step, hp, self.model, self.muon, self.adam)  # validation sees step s's windows
             if last or (hp.val_loss_every and step % hp.val_loss_every == 0):
                 with self.clock_paused():
-                    val_loss = self.validate(final_window_blocks(hp) if last else self.window)
+                    val_loss = self.validate(final_window_blocks(hp) if last else windows)
                     val_losses.append((step, val_loss))
                     self.log(f"step:{step}/{self.total_steps} val_loss:{val_loss:.4f} "
                              f"train_time:{self.training_time_ms:.0f}ms step_avg:{self.training_time_ms / max(step, 1):.2f}ms")
@@ -1746,6 +1841,7 @@ class Trainer:
         if hp.save_checkpoint:
             self.checkpoint("final")
         self.log_summary()
+        self.loader.close()
         return val_losses
 
     def profiler_at(self, step):
@@ -1802,6 +1898,10 @@ def model_flops_per_token(model, hp):
     attn_layers = sum(block.attn is not None for block in model.blocks)
     keys = 0.75 * hp.window_blocks[-1] * hp.window_block_tokens / 2
     return 6 * matmul + 12 * attn_layers * hp.num_heads * hp.head_dim * keys
+
+
+# ----------------------------------------------------------------------------------------------
+# main(): parse, train, and turn bad input into one line
 
 
 def portable_argv(argv):

@@ -63,8 +63,8 @@ def record_model():
     hp = tg.parse_args([])
     torch.manual_seed(hp.seed)
     model = tg.build_model(hp, 1, DEVICE)
-    assert model.attention_backend == "flex" and model.lm_head.weight.dtype == torch.bfloat16
-    assert not model.fused_cpu_loss  # otherwise the head (and use_fp8) would be bypassed by ChunkedSoftcapLoss
+    assert isinstance(model.attention, tg.FlexWindowAttention) and model.lm_head.weight.dtype == torch.bfloat16
+    assert model.head_loss is tg.softcap_cross_entropy  # the head (and use_fp8) in the compiled graph
     model.train()
     return hp, model, torch.compile(model, dynamic=False, fullgraph=True)
 
@@ -158,9 +158,9 @@ def test_compiled_flex_matches_naive(T, bounds, window):
     cu = torch.tensor([0, *bounds, T, T, T], dtype=torch.int32, device=DEVICE)
     docs = tg.document_ids(cu, T)
     mask = tg.sliding_document_mask(docs, window)
-    attend = torch.compile(tg.attend, dynamic=False, fullgraph=True)
+    attend = torch.compile(tg.FlexWindowAttention(), dynamic=False, fullgraph=True)
     leaves = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
-    y = attend(*leaves, mask, "flex", torch.tensor(SCALE, dtype=torch.float64, device=DEVICE))
+    y = attend(*leaves, mask, torch.tensor(SCALE, dtype=torch.float64, device=DEVICE))
     gy = torch.randn(y.shape, device=DEVICE, generator=g)
     grads = torch.autograd.grad(y, leaves, gy.to(y.dtype))
     ref_leaves = [t.detach().float().requires_grad_() for t in leaves]

@@ -245,14 +245,17 @@ class _LazyPool:
     def __init__(self):
         self.submitted = 0
 
-    def submit(self, fn):
+    def submit(self, fn, *args):
         self.submitted += 1
-        return _LazyFuture(fn)
+        return _LazyFuture(lambda: fn(*args))
 
 
-def _all_batches(pattern, world, calls):
-    loaders = [tg.TrainLoader(pattern, rank, world, CPU, cycle=True) for rank in range(world)]
-    return [[loader.next_batch(*SHAPES[call % len(SHAPES)]) for loader in loaders] for call in range(calls)]
+def _all_batches(pattern, world, calls, pool=None):
+    loaders = [tg.TrainLoader(pattern, rank, world, CPU, cycle=True, pool=pool) for rank in range(world)]
+    batches = [[loader.next_batch(*SHAPES[call % len(SHAPES)]) for loader in loaders] for call in range(calls)]
+    for loader in loaders:
+        loader.close()
+    return batches
 
 
 def test_bos_index_fast_path_gives_identical_batches(tmp_path, monkeypatch):
@@ -262,11 +265,9 @@ def test_bos_index_fast_path_gives_identical_batches(tmp_path, monkeypatch):
     reference = _all_batches(pattern, world, calls)  # default: BOS_SYNC_TOKENS > shard size, one pass
     monkeypatch.setattr(tg, "BOS_SYNC_TOKENS", 500)
     pool = _LazyPool()
-    monkeypatch.setattr(tg.BosIndex, "_pool", pool)
-    lazy = _all_batches(pattern, world, calls)  # background part never finishes on its own
+    lazy = _all_batches(pattern, world, calls, pool)  # background jobs never finish on their own
     assert pool.submitted >= 3
-    monkeypatch.setattr(tg.BosIndex, "_pool", concurrent.futures.ThreadPoolExecutor(1))
-    threaded = _all_batches(pattern, world, calls)  # real background thread, whatever its timing
+    threaded = _all_batches(pattern, world, calls)  # real background threads, whatever their timing
     for other in (lazy, threaded):
         for ranks_a, ranks_b in zip(reference, other):
             for batch_a, batch_b in zip(ranks_a, ranks_b):
@@ -278,8 +279,7 @@ def test_bos_index_partial_then_complete(monkeypatch):
     tokens = np.full(2000, 7, dtype=np.uint16)
     tokens[::37] = BOS
     monkeypatch.setattr(tg, "BOS_SYNC_TOKENS", 300)
-    monkeypatch.setattr(tg.BosIndex, "_pool", _LazyPool())
-    index = tg.BosIndex(tokens)
+    index = tg.BosIndex(tokens, _LazyPool())
     assert not index.complete
     np.testing.assert_array_equal(index.available(), np.arange(0, 300, 37))
     np.testing.assert_array_equal(index.available(need_all=True), np.arange(0, 2000, 37))
@@ -297,7 +297,8 @@ def test_validation_batches(tmp_path, world, accum):
     val_tokens, val_batch = 4096, 1024
     chunk = val_batch // (world * accum)
     for _ in range(2):  # the same tokens every time
-        per_rank = [list(tg.validation_batches(pattern, val_tokens, val_batch, rank, world, accum, CPU))
+        tokens = tg.read_validation_tokens(pattern, val_tokens + 1)
+        per_rank = [list(tg.validation_batches(tokens, val_tokens, val_batch, rank, world, accum, CPU))
                     for rank in range(world)]
         steps = len(per_rank[0])
         assert all(len(r) == steps for r in per_rank) and steps == val_tokens // (chunk * world)
@@ -318,14 +319,15 @@ def test_validation_rejects_bad_sizes(tmp_path):
     pattern, _ = write_shards(tmp_path, np.random.default_rng(4), [3000], prefix="val")
     with pytest.raises(tg.ConfigError, match="--val_tokens 3000 must be a multiple of --val_batch_size 1024"):
         tg.parse_args(["--preset", "cpu", "--val_tokens", "3000", "--val_batch_size", "1024"])
+    tokens = tg.read_validation_tokens(pattern, 2049)
     with pytest.raises(tg.ConfigError, match="--val_batch_size"):
-        next(tg.validation_batches(pattern, 2008, 1004, 0, 8, 1, CPU))
+        next(tg.validation_batches(tokens, 2008, 1004, 0, 8, 1, CPU))
     with pytest.raises(tg.ConfigError, match="--val_batch_size"):
-        next(tg.validation_batches(pattern, 2048, 1024, 0, 1, 3, CPU))
+        next(tg.validation_batches(tokens, 2048, 1024, 0, 1, 3, CPU))
     with pytest.raises(tg.DataError, match="needs one more"):
-        next(tg.validation_batches(pattern, 3000, 1000, 0, 1, 1, CPU))
+        tg.read_validation_tokens(pattern, 3001)
     with pytest.raises(tg.DataError, match="no validation shards"):
-        next(tg.validation_batches(str(tmp_path / "none_*.bin"), 2048, 1024, 0, 1, 1, CPU))
+        tg.read_validation_tokens(str(tmp_path / "none_*.bin"), 2049)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,7 +385,7 @@ def test_tiny_model_learns_synthetic_corpus(tmp_path, one_thread):
     lut = torch.zeros(2 ** 16, dtype=torch.int64)
     lut[torch.from_numpy(ids.astype(np.int64))] = torch.arange(len(ids))
 
-    steps, batch = 60, 1024
+    steps, batch = 60, 1024  # batch: --batch_sizes below
     hp = tg.parse_args(["--preset", "cpu", "--vocab_size", "513", "--num_layers", "9", "--model_dim", "64",
                         "--num_heads", "2", "--head_dim", "32", "--batch_sizes", "1024", "1024", "1024",
                         "--max_seq_len", "256", "--window_block_tokens", "64", "--window_blocks", "2", "2", "2",
@@ -393,38 +395,29 @@ def test_tiny_model_learns_synthetic_corpus(tmp_path, one_thread):
                         "--muon_momentum_cooldown_steps", "0", "--adam_lr", "0.03"])
     torch.manual_seed(0)
     model = tg.build_model(hp, 1, CPU)
-    muon_params, adam_params = tg.split_params_for_optimizers(model)
-    muon = tg.NorMuon(muon_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2)
-    adam = tg.DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd)
+    muon, adam = tg.make_optimizers(model, hp)
     loader = tg.TrainLoader(str(tmp_path / "synthetic_train_*.bin"), 0, 1, CPU, cycle=True)
-    val_pattern = str(tmp_path / "synthetic_val_*.bin")
+    val_tokens = tg.read_validation_tokens(str(tmp_path / "synthetic_val_*.bin"), 8193)
 
     def val_loss():
         model.eval()
         with torch.no_grad():
-            losses = [model(lut[x.long()], lut[y], cu, (1, 4)).item()
-                      for x, y, cu in tg.validation_batches(val_pattern, 8192, 1024, 0, 1, 1, CPU)]
+            losses = [model(lut[x.long()], lut[y], cu, tg.final_window_blocks(hp)).item()
+                      for x, y, cu in tg.validation_batches(val_tokens, 8192, 1024, 0, 1, 1, CPU)]
         model.train()
         return sum(losses) / len(losses)
 
     start = time.perf_counter()
     initial = val_loss()
     train_losses = []
-    for step in range(steps):
-        lr_mul = tg.lr_multiplier_at(step, hp)
-        for group in muon.param_groups:
-            group["lr"], group["momentum"] = hp.muon_lr * lr_mul, tg.muon_momentum_at(step, hp)
-        for group in adam.param_groups:
-            group["lr"] = hp.adam_lr * lr_mul
-        x, y, cu = loader.next_batch(batch, hp.max_seq_len)
-        loss = model(lut[x.long()], lut[y], cu, tg.window_blocks_at(step, hp))
+    for step in range(steps):  # Trainer.train_step with one micro-step, on remapped ids
+        batch_size, windows = tg.apply_schedule(step, hp, model, muon, adam)
+        x, y, cu = loader.next_batch(batch_size, hp.max_seq_len)
+        loss = model(lut[x.long()], lut[y], cu, windows)
         loss.backward()
         train_losses.append(loss.item() / batch)
-        muon.step()
-        muon.zero_grad()
-        if tg.adam_steps_at(step):
-            adam.step()
-            adam.zero_grad()
+        tg.step_optimizers(step, muon, adam)
+    loader.close()
     final = val_loss()
     elapsed = time.perf_counter() - start
     print(f"unigram entropy {entropy:.3f}, val loss {initial:.3f} -> {final:.3f}, "

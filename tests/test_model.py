@@ -36,7 +36,7 @@ def _small_model(vocab=1024, layers=9, seed=0, block_tokens=16, randomize=True):
     value embeddings, gates, smear/x0 lambdas): at init they make every position's output depend
     on its own token only, which would make the causality/isolation tests vacuous."""
     torch.manual_seed(seed)
-    model = tg.GPT(vocab, layers, 2, 32, 64, window_block_tokens=block_tokens)
+    model = tg.use_cpu_fallbacks(tg.GPT(vocab, layers, 2, 32, 64, window_block_tokens=block_tokens))
     if randomize:
         g = _gen(seed + 1)
         with torch.no_grad():
@@ -57,7 +57,7 @@ def _small_model(vocab=1024, layers=9, seed=0, block_tokens=16, randomize=True):
     return model
 
 
-def _logits(model, monkeypatch, inputs, cu_seqlens, windows, backend):
+def _logits(model, monkeypatch, inputs, cu_seqlens, windows, attention):
     """Per-position pre-softcap logits of an eval-mode forward pass (captured from head_matmul)."""
     captured = []
     real = tg.head_matmul
@@ -69,8 +69,8 @@ def _logits(model, monkeypatch, inputs, cu_seqlens, windows, backend):
 
     monkeypatch.setattr(tg, "head_matmul", spy)
     model.eval()
-    model.attention_backend = backend
-    model.fused_cpu_loss = False  # the chunked CPU loss never forms full logits; read them from head_matmul
+    model.attention = attention
+    model.head_loss = tg.softcap_cross_entropy  # the chunked CPU loss never forms full logits; read them from head_matmul
     targets = torch.zeros(inputs.numel(), dtype=torch.int64)
     with torch.no_grad():
         model(inputs, targets, cu_seqlens, windows)
@@ -83,7 +83,7 @@ def _logits(model, monkeypatch, inputs, cu_seqlens, windows, backend):
 
 def test_initial_loss_is_log_vocab():
     torch.manual_seed(0)
-    model = tg.GPT(50257, 9, 2, 32, 64).eval()
+    model = tg.use_cpu_fallbacks(tg.GPT(50257, 9, 2, 32, 64)).eval()
     T = 512
     g = _gen(1)
     inputs = torch.randint(0, 50257, (T,), generator=g, dtype=torch.int32)
@@ -97,10 +97,12 @@ def test_initial_loss_is_log_vocab():
 
 # ------------------------------------------------------------------------------ causality, documents
 
-BACKENDS = ["local", "flex"]  # flex: eager FlexAttention (forward only on CPU)
+# The CPU fallback and the GPU path (eager FlexAttention: forward only on CPU)
+BACKENDS = [tg.TiledWindowAttention(), tg.FlexWindowAttention()]
+BACKEND_IDS = ["tiled", "flex"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
 def test_causality(monkeypatch, backend):
     model = _small_model()
     T = 300
@@ -110,7 +112,7 @@ def test_causality(monkeypatch, backend):
     base = _logits(model, monkeypatch, inputs, cu, (1, 2), backend)
     scale = base.abs().max().item()
     # eager FlexAttention is slow on CPU (~0.3 s per call): fewer cut points for it
-    for t in (0, 60, 130, 200) if backend == "local" else (130,):
+    for t in (0, 60, 130, 200) if isinstance(backend, tg.TiledWindowAttention) else (130,):
         changed = inputs.clone()
         changed[t + 1:] = torch.randint(0, 1024, (T - t - 1,), generator=g, dtype=torch.int32)
         out = _logits(model, monkeypatch, changed, cu, (1, 2), backend)
@@ -120,7 +122,7 @@ def test_causality(monkeypatch, backend):
         assert (out[t + 1:] - base[t + 1:]).abs().max().item() > 1e-2 * scale, t
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
 def test_documents_meet_only_at_the_boundary(monkeypatch, backend):
     """Attention never crosses a document boundary; the only carry-over is the reference's: the smear
     gate and the key shift at a document's first position read the previous position. So changing
@@ -154,7 +156,7 @@ def test_documents_meet_only_at_the_boundary(monkeypatch, backend):
     assert (out[a_len] - base[a_len]).abs().max().item() > 1e-5 * scale  # measured 8e-4 x scale
 
     # positive control: declared as one document, the second part depends on the far change
-    if backend == "flex":
+    if isinstance(backend, tg.FlexWindowAttention):
         return  # (the model's information flow does not depend on the backend; saves two slow passes)
     merged = _cu([], T)
     one = _logits(model, monkeypatch, packed, merged, (8, 16), backend)
@@ -198,12 +200,12 @@ MASK_CASES = [  # (T, inner document boundaries, window tokens)
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
 @pytest.mark.parametrize("T,bounds,window", MASK_CASES)
 def test_attend_matches_naive(backend, T, bounds, window):
     q, k, v = _qkv(T, seed=T + window)
     docs = _docs(bounds, T)
-    y = tg.attend(q, k, v, tg.attention_mask(docs, window, backend), backend, torch.tensor(SCALE))
+    y = backend(q, k, v, backend.mask(docs, window), torch.tensor(SCALE))
     ref = _naive_attention(q, k, v, docs, window)
     assert y.shape == q.shape
     err = (y.double() - ref).abs().max().item()
@@ -215,7 +217,8 @@ def test_local_attention_gradients_match_naive(T, bounds, window):
     q, k, v = _qkv(T, seed=T + window + 1, requires_grad=True)
     docs = _docs(bounds, T)
     gy = torch.randn(T, *q.shape[1:], generator=_gen(9))
-    y = tg.attend(q, k, v, tg.attention_mask(docs, window, "local"), "local", torch.tensor(SCALE))
+    tiled = tg.TiledWindowAttention()
+    y = tiled(q, k, v, tiled.mask(docs, window), torch.tensor(SCALE))
     grads = torch.autograd.grad(y, (q, k, v), gy)
     ref = _naive_attention(q, k, v, docs, window)
     ref_grads = torch.autograd.grad(ref, (q, k, v), gy.double())
@@ -257,21 +260,21 @@ def test_flex_block_mask_structure(T, bounds, window):
     assert torch.equal(q_partial, partial) and torch.equal(q_full, full)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
 def test_sliding_window_influence(backend):
     """One attention layer: a key/value more than `window` tokens behind t has no influence on t;
     one exactly `window` behind (the inclusive edge) and closer ones do."""
     T, window, t = 400, 50, 300
     q, k, v = _qkv(T, seed=5)
     docs = _docs([], T)
-    mask = tg.attention_mask(docs, window, backend)
-    base = tg.attend(q, k, v, mask, backend, torch.tensor(SCALE))
+    mask = backend.mask(docs, window)
+    base = backend(q, k, v, mask, torch.tensor(SCALE))
     assert (base.double() - _naive_attention(q, k, v, docs, window)).abs().max() < 2e-5
     for s, inside in ((t - window - 1, False), (t - window - 70, False), (t - window, True), (t - 1, True)):
         k2, v2 = k.clone(), v.clone()
         k2[s] += 3.0
         v2[s] += 3.0
-        out = tg.attend(q, k2, v2, mask, backend, torch.tensor(SCALE))
+        out = backend(q, k2, v2, mask, torch.tensor(SCALE))
         effect = (out[t] - base[t]).abs().max().item()
         if inside:
             assert effect > 1e-3, (s, effect)
@@ -284,7 +287,7 @@ def test_sliding_window_influence(backend):
 def test_tied_embedding_and_head(monkeypatch):
     model = _small_model(randomize=False)
     model.train()
-    model.fused_cpu_loss = False  # the plain path, so head_matmul is where the head reads its weight
+    model.head_loss = tg.softcap_cross_entropy  # the plain path, so head_matmul is where the head reads its weight
     T = 128
     g = _gen(4)
     inputs = torch.randint(0, 300, (T,), generator=g, dtype=torch.int32)  # rows >= 300 never looked up
@@ -557,7 +560,7 @@ def test_mm_fp8_under_compile_matches_eager():
 def test_fp8_switch_changes_only_precision():
     model = _small_model(vocab=4096)  # K = 64, N = 4096, T = 256: multiples of 16 (a smaller head: CPU time)
     model.train()
-    model.fused_cpu_loss = False
+    model.head_loss = tg.softcap_cross_entropy
     T = 256
     g = _gen(7)
     inputs = torch.randint(0, 4096, (T,), generator=g, dtype=torch.int32)
@@ -616,7 +619,7 @@ def test_model_fused_cpu_loss_equals_plain_path():
     cu = _cu([123], T)
     out = {}
     for fused in (True, False):
-        model.fused_cpu_loss = fused
+        model.head_loss = tg.chunked_softcap_cross_entropy if fused else tg.softcap_cross_entropy
         model.zero_grad()
         loss = model(inputs, targets, cu, (1, 2))
         loss.backward()

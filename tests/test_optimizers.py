@@ -24,7 +24,7 @@ import train_gpt as tg
 
 # Hyperparameters chosen so that every term moves the parameters visibly: decay factor wd*lr = 0.25
 # (NorMuon) / 0.1 (Adam), so a missing or unmasked decay is far outside the tolerances below.
-MUON_HP = dict(lr=0.05, weight_decay=5.0, momentum=0.9, beta2=0.95)
+MUON_HP = dict(lr=0.05, weight_decay=5.0, momentum=0.9, beta2=0.95, polar=tg.CPU_POLAR_EXPRESS)
 ADAM_HP = dict(lr=0.02, betas=(0.65, 0.95), eps=1e-8, weight_decay=5.0)
 D = 16  # model dim of the toy parameter set; attention (4h, d) with h = d
 STEPS = 6  # training steps: NorMuon steps 6 times, DistAdam 3 times (odd steps)
@@ -463,10 +463,8 @@ def test_distadam_rejects_first_dim_not_divisible_by_world_size(two_process_resu
 # ----------------------------------------------------------------------------------------------
 # Parameter coverage
 
-def _check_coverage(model, record_shapes=False):
-    muon_params_, adam_params_ = tg.split_params_for_optimizers(model)
-    muon = tg.NorMuon(muon_params_, 0.023, 1.2, 0.85)
-    adam = tg.DistAdam(adam_params_, 0.008, (0.65, 0.95), 1e-8, 0.005)
+def _check_coverage(model, hp):
+    muon, adam = tg.make_optimizers(model, hp)
     owned = [p for g in muon.param_groups for p in g["params"]] + [p for g in adam.param_groups for p in g["params"]]
     model_ids = [id(p) for p in model.parameters()]
     assert sorted(id(p) for p in owned) == sorted(model_ids)  # every parameter exactly once
@@ -486,7 +484,7 @@ def test_optimizers_cover_record_model_exactly_once():
     hp = tg.parse_args([])
     with torch.device("meta"):
         model = tg.build_model(hp, 1, torch.device("meta"))
-    muon, adam = _check_coverage(model)
+    muon, adam = _check_coverage(model, hp)
     big = [g for g in muon.param_groups if tuple(g["params"][0].shape) == (3072, 768)]
     assert len(big) == 1
     labels = [p.label for p in big[0]["params"]]
@@ -500,7 +498,8 @@ def test_optimizers_cover_record_model_exactly_once():
 def test_optimizers_cover_cpu_preset_model_exactly_once():
     hp = tg.parse_args(["--preset", "cpu"])
     model = tg.build_model(hp, 1, torch.device("cpu"))
-    _check_coverage(model)
+    muon, _ = _check_coverage(model, hp)
+    assert muon.polar == tg.CPU_POLAR_EXPRESS
 
 
 # ----------------------------------------------------------------------------------------------

@@ -282,7 +282,7 @@ def randomized_model(seed=0):
     """Our model with every weight random and non-zero (zero-initialized O, MLP projections, value
     embeddings, gates and the smear/x0 lambdas would hide most of what is compared)."""
     torch.manual_seed(seed)
-    model = tg.GPT(VOCAB, LAYERS, HEADS, HEAD_DIM, DIM, window_block_tokens=BLOCK)
+    model = tg.use_cpu_fallbacks(tg.GPT(VOCAB, LAYERS, HEADS, HEAD_DIM, DIM, window_block_tokens=BLOCK))
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -379,10 +379,10 @@ def head_logits(model, monkeypatch, inputs, cu, windows):
 
     monkeypatch.setattr(tg, "head_matmul", spy)
     model.eval()
-    model.fused_cpu_loss = False  # the chunked CPU loss never forms whole logits
+    model.head_loss = tg.softcap_cross_entropy  # the chunked CPU loss never forms whole logits
     with torch.no_grad():
         model(inputs, torch.zeros(inputs.numel(), dtype=torch.int64), cu, windows)
-    model.fused_cpu_loss = True
+    model.head_loss = tg.chunked_softcap_cross_entropy
     monkeypatch.setattr(tg, "head_matmul", real)
     return captured[0]
 
