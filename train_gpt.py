@@ -152,7 +152,7 @@ def build_arg_parser():
         prog="train_gpt.py",
         description="Train the speedrun GPT. Every field of Hyperparameters is a flag; --preset is applied first.",
     )
-    # one-line errors (SPEC §8) instead of the ~25-line usage that buries the message
+    # one-line errors instead of the ~25-line usage that buries the message
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="record", help="named configuration (default: record)")
     for f in fields(Hyperparameters):
@@ -1674,7 +1674,7 @@ def resolve_data(hp, rank):
 
 
 class Trainer:
-    """Holds the run's moving parts; run() is the timed loop of SPEC §6."""
+    """Holds the run's moving parts: setup in __init__, warm_up(), then run(), the timed loop."""
 
     def __init__(self, hp, argv=()):
         self.hp = hp

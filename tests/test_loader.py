@@ -1,4 +1,4 @@
-"""Data loader tests (SPEC §2.3): BOS-aligned training batches for 1/2/4/8 simulated ranks checked
+"""Data loader tests: BOS-aligned training batches for 1/2/4/8 simulated ranks checked
 against an independent reference walk, the BOS-index fast path, resume, validation batches, and the
 synthetic corpus (determinism, BOS structure, learnability)."""
 
@@ -49,7 +49,7 @@ def write_shards(folder, rng, sizes, prefix="train"):
 
 
 class Reference:
-    """The walk of SPEC §2.3 written plainly: per batch, rank 0 then rank 1 ... take pieces that start
+    """The loader's walk written plainly: per batch, rank 0 then rank 1 ... take pieces that start
     at a BOS and end at the next BOS / start + max_seq_len / the rank's quota of rank_tokens + 1; if the
     shard cannot supply the whole batch, drop its rest and start at the next shard's first BOS."""
 
@@ -366,6 +366,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_tiny_model_learns_synthetic_corpus(tmp_path, one_thread):
     """The real GPT + NorMuon + DistAdam + TrainLoader + schedules on the synthetic corpus.
     To keep it fast the corpus' 513 distinct ids (512 words + BOS) are mapped to 0..512 right after

@@ -1,4 +1,4 @@
-"""Model invariants (SPEC §3): initial loss, causality, document isolation, sliding windows,
+"""Model invariants: initial loss, causality, document isolation, sliding windows,
 attention backends vs a naive reference, tying, parameter inventory, layer roles, the FP8 head
 op, the chunked CPU loss, YaRN and the key shift. CPU only, small shapes (~1 min on 2 cores).
 
@@ -350,7 +350,7 @@ def test_tied_embedding_and_head(monkeypatch):
 # ------------------------------------------------------------------------------ parameter inventory
 
 def _expected_count(world_size):
-    # By hand from SPEC §3 (record config, vocab padded to 50304, dim 768, 6 heads x 128):
+    # By hand from the architecture (record config, vocab padded to 50304, dim 768, 6 heads x 128):
     #   lm_head (tied embedding)        50304 x 768               = 38,633,472
     #   3 value embeddings          3 x 50304 x 768               = 115,900,416
     #   10 attention layers        10 x (3072 x 768 + 6 x 12)     = 23,593,680
@@ -363,7 +363,7 @@ def _expected_count(world_size):
     return 50304 * 768 + 3 * 50304 * 768 + 10 * (3072 * 768 + 6 * 12) + 11 * 2 * 3072 * 768 + 12 + scalars
 
 
-EXPECTED_TAGS = {  # (module attribute suffix) -> (label, lr_mul, wd_mul), SPEC §4
+EXPECTED_TAGS = {  # (module attribute suffix) -> (label, lr_mul, wd_mul) of the recipe
     "qkvo_w": ("attn", 1.0, 1.0),
     "attn.gate_w": ("gate", 1.0, 1.0),
     "fc_w": ("mlp", 1.0, 1.0),
@@ -412,6 +412,9 @@ def test_cpu_preset_split_covers_every_parameter_once():
     assert sorted(ids) == sorted(id(p) for p in model.parameters())
     for name, p in model.named_parameters():
         assert (p.label, p.lr_mul, p.wd_mul) == _expected_tag(name), name
+    # the optimizers take the CPU path of Polar Express on a CPU
+    muon, _ = tg.make_optimizers(model, hp)
+    assert muon.polar == tg.CPU_POLAR_EXPRESS
     # the assertion fires when a parameter is missing
     model.extra = torch.nn.Parameter(torch.zeros(3))
     model.extra.label = "lm_head"
@@ -602,11 +605,16 @@ def test_chunked_softcap_loss_matches_autograd(T):
     xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
     loss = tg.ChunkedSoftcapLoss.apply(xc, wc, t)
     (loss * 2.5).backward()  # the incoming gradient is applied
-    # measured (fp32 vs float64 autograd): value 4e-8 relative, gradients 2.8e-7 relative (Frobenius)
+    # Error model: fp32 sums of 32 (x) or up to 1000 (w) products, each relative error ~2^-24 * sqrt(n)
+    # of the gradient's scale; elementwise near-zero entries can be relatively far off, so compare in
+    # the gradient's norm. Measured (fp32 vs float64, 1 and 2 threads): value 4e-8 relative,
+    # gradients 2.8e-7 relative (Frobenius), worst element 7e-7 of the norm.
     assert loss.dtype == torch.float32
     assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
-    torch.testing.assert_close(xc.grad.double(), 2.5 * xr.grad, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(wc.grad.double(), 2.5 * wr.grad, rtol=1e-4, atol=1e-6)
+    for got, want in ((xc.grad, xr.grad), (wc.grad, wr.grad)):
+        want = 2.5 * want
+        assert (got.double() - want).norm() <= 1e-5 * want.norm()
+        assert (got.double() - want).abs().max() <= 1e-5 * want.norm()
 
 
 def test_model_fused_cpu_loss_equals_plain_path():

@@ -217,7 +217,11 @@ def test_download_uses_pinned_commit(tmp_path, monkeypatch):
         novels.download_novels(tmp_path / "raw2", names=["Aaa_First_1850"], progress=False)
 
 
-def test_novel_list():
-    assert len(novels.NOVELS) == 98 and len(set(novels.NOVELS)) == 98
+def test_novel_list_is_public_domain_and_holds_out_whole_novels():
+    """Every novel kept was first published in or before 1930 (the corpus' public-domain cut), the
+    two left out are exactly the later ones, and the held-out validation novels are kept novels."""
+    year = lambda name: int(name.rsplit("_", 1)[1])  # noqa: E731  Author_Title_Year
+    assert len(set(novels.NOVELS)) == len(novels.NOVELS) == 98
+    assert max(map(year, novels.NOVELS)) <= 1930 and min(map(year, novels.EXCLUDED)) > 1930
     assert not set(novels.EXCLUDED) & set(novels.NOVELS)
-    assert set(novels.VAL_NOVELS) <= set(novels.NOVELS)
+    assert set(novels.VAL_NOVELS) < set(novels.NOVELS) and len(novels.VAL_NOVELS) == 5

@@ -1,4 +1,4 @@
-"""End-to-end CPU runs of train_gpt.py (SPEC §6): the log format, 1 vs 2 processes (gloo), exact
+"""End-to-end CPU runs of train_gpt.py: the log format, 1 vs 2 processes (gloo), exact
 resume from checkpoints, refusal of damaged checkpoints, the warm-up's exact undo, CLI errors and the
 non-finite-loss stop. Tiny model and a small synthetic corpus; one torch thread per process
 (2 OpenMP threads per process on the shared 2-core box make steps many times slower)."""
@@ -98,6 +98,7 @@ def one_process_run(corpus, tmp_path_factory):
     return result, cwd / "logs" / "e2e.txt", (before, SCRIPT.read_bytes())
 
 
+@pytest.mark.slow
 def test_end_to_end_one_process(one_process_run):
     result, log_path, sources = one_process_run
     assert result.returncode == 0, result.stderr[-3000:]
@@ -126,6 +127,7 @@ def test_end_to_end_one_process(one_process_run):
     assert losses[-1] < losses[0] - 3.0, losses
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(corpus, tmp_path, one_process_run):
     result1, log1, _ = one_process_run
     assert result1.returncode == 0
@@ -153,6 +155,7 @@ def test_two_processes_match_one(corpus, tmp_path, one_process_run):
 # checkpoints and resume
 
 
+@pytest.mark.slow
 def test_resume_one_process_exact(corpus, tmp_path, capsys, restore_threads):
     log_dir = tmp_path / "logs"
     base = short(corpus, "--log_dir", log_dir)
@@ -180,6 +183,7 @@ def test_resume_one_process_exact(corpus, tmp_path, capsys, restore_threads):
     assert "resumed from" in (log_dir / "resumed.txt").read_text()
 
 
+@pytest.mark.slow
 def test_resume_two_processes_exact(corpus, tmp_path):
     base = short(corpus)
     full = run_script([*base, "--save_every", 4, "--run_id", "full"], tmp_path, procs=2)
@@ -223,6 +227,7 @@ def assert_same(a, b, path="state"):
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
+@pytest.mark.slow
 def test_warm_up_restores_everything(corpus, tmp_path, restore_threads):
     hp = tg.parse_args(short(corpus, "--warmup_steps", 2, "--log_dir", tmp_path, "--run_id", "warm"))
     trainer = tg.Trainer(hp)
@@ -253,14 +258,6 @@ def test_warm_up_restores_everything(corpus, tmp_path, restore_threads):
 
 # ----------------------------------------------------------------------------------------------
 # bad input
-
-
-def test_unknown_flag_one_line_cli(tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--preset", "cpu", "--bogus_flag", "3"], cwd=tmp_path,
-                            env=env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "--bogus_flag" in result.stderr
-    assert result.stdout == ""
 
 
 @pytest.mark.parametrize("extra,needle", [
@@ -299,34 +296,14 @@ def test_missing_data_one_line(corpus, tmp_path, capsys, restore_threads, which)
     assert len(lines) == 1 and missing in lines[0] and lines[0].startswith("train_gpt.py: error:"), err
 
 
-def test_help_lists_every_field_with_default(capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "10000")  # one line per option
-    with pytest.raises(SystemExit) as info:
-        tg.parse_args(["--help"])
-    assert info.value.code == 0
-    out = capsys.readouterr().out
-    lines = {}  # option -> its entry (name line + help continuation lines), whitespace normalized
-    for line in out.split("options:")[1].splitlines():
-        if line.startswith("  -"):
-            current = line.split()[0].rstrip(",")
-            lines[current] = line
-        elif line.startswith("    ") and lines:
-            lines[current] = " ".join([lines[current], line.strip()])
-    for f in tg.dataclasses.fields(tg.Hyperparameters):
-        assert f"--{f.name}" in lines, f.name
-        assert f"(default: {f.default})" in lines[f"--{f.name}"], lines[f"--{f.name}"]
-    assert "--preset" in lines and "cpu" in lines["--preset"]
-
-
-def test_non_finite_loss_stops_with_step(corpus, tmp_path, capsys, restore_threads):
+@pytest.mark.parametrize("flag", ["--muon_lr", "--adam_lr"])
+def test_non_finite_loss_stops_with_step(corpus, tmp_path, capsys, restore_threads, flag):
     argv = tiny(corpus, "--num_scheduled_iterations", 6, "--num_extension_iterations", 0, "--val_loss_every", 0,
-                "--muon_lr", 1e30, "--log_dir", tmp_path, "--run_id", "nan")
-    # (--adam_lr 1e30 as well would end in a RuntimeError traceback instead: DistAdam's
-    # `sub_(..., alpha=eta * wd * lr)` cannot convert 1e60 to float32)
+                flag, 1e30, "--log_dir", tmp_path, "--run_id", "nan")
     result, code, err = run_main(argv, capsys)
     assert code == 2 and result is None
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and re.search(r"at step \d+", lines[0]) and "--muon_lr" in lines[0], err
+    assert len(lines) == 1 and re.search(r"at step \d+", lines[0]) and flag in lines[0], err
     step = int(re.search(r"at step (\d+)", lines[0])[1])
     log = (tmp_path / "nan.txt").read_text()
     # stopped at once: the loss is checked one step late (the host never waits for the device), so at most
