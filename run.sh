@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Launch train_gpt.py on every local GPU (torchrun), or the `cpu` preset on one process without a GPU.
+# Launch train_gpt.py on every visible GPU (torchrun), or the `cpu` preset on one process without a GPU.
 # Extra arguments pass through, e.g. ./run.sh --val_loss_every 125
 set -euo pipefail
 cd "$(dirname "$0")"
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# torch's count honours CUDA_VISIBLE_DEVICES (nvidia-smi -L lists every GPU of the machine)
+gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "${gpus:-0}" -gt 0 ]; then
   exec torchrun --standalone --nproc_per_node="$gpus" train_gpt.py "$@"
 fi

@@ -12,6 +12,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import datetime
 import glob
 import hashlib
 import io
@@ -19,6 +20,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -94,6 +96,7 @@ class Hyperparameters:
     seed: int = hp_field(0, "random seed for initialization")
     val_loss_every: int = hp_field(250, "validate every N steps and at the end (0: only at the end)")
     warmup_steps: int = hp_field(3, "untimed compile warm-up steps per stage, undone afterwards (0: none)")
+    device: str = hp_field("auto", "auto (CUDA when present, else CPU), cuda or cpu")
     compile: bool = hp_field(True, "torch.compile the model (CUDA only; CPU always runs eager)")
     fp8: str = hp_field("auto", "FP8 head matmul in training: auto (CUDA, capability >= 8.9), on, off")
     run_id: str = hp_field("", "name of the log file logs/<run_id>.txt (default: a new uuid)")
@@ -149,7 +152,7 @@ def parse_bool(text):
 
 def build_arg_parser():
     parser = argparse.ArgumentParser(
-        prog="train_gpt.py",
+        prog="train_gpt.py", allow_abbrev=False,  # --num_layer must not silently mean --num_layers
         description="Train the speedrun GPT. Every field of Hyperparameters is a flag; --preset is applied first.",
     )
     # one-line errors instead of the ~25-line usage that buries the message
@@ -181,29 +184,45 @@ def parse_args(argv=None):
     return hp
 
 
+# (flags, test, what the test means): applied to every value of a tuple flag
+VALUE_RULES = [
+    (("val_tokens", "val_batch_size", "vocab_size", "num_layers", "num_heads", "head_dim", "model_dim",
+      "num_scheduled_iterations", "batch_sizes", "max_seq_len", "grad_accum_base", "window_block_tokens",
+      "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps"), lambda v: v > 0, "must be positive"),
+    (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads",
+      "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd", "adam_wd", "lr_multipliers",
+      "final_lr_multiplier"), lambda v: v >= 0, "must be >= 0"),
+    (("window_blocks", "extension_window_blocks"), lambda v: v >= 2, "must be at least 2 (short window = long // 2 blocks)"),
+    (("muon_momentum", "muon_beta2", "adam_betas"), lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    (("cooldown_frac",), lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    (("seed",), lambda v: 0 <= v < 2 ** 63, "must be in [0, 2^63)"),
+]
+
+
 def check_hyperparameters(hp):
-    positive = ["val_tokens", "val_batch_size", "vocab_size", "num_layers", "num_heads", "head_dim", "model_dim",
-                "num_scheduled_iterations", "max_seq_len", "grad_accum_base", "window_block_tokens",
-                "extension_window_blocks", "final_val_window_blocks"]
-    for name in positive:
-        if getattr(hp, name) <= 0:
-            raise ConfigError(f"--{name} must be positive, got {getattr(hp, name)}")
-    for name in ["num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads",
-                 "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps"]:
-        if getattr(hp, name) < 0:
-            raise ConfigError(f"--{name} must be >= 0, got {getattr(hp, name)}")
+    """Reject impossible values and combinations before any work, naming the flag."""
+    for f in fields(hp):
+        value = getattr(hp, f.name)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, tuple) else [value])):
+            raise ConfigError(f"--{f.name} must be finite, got {value}")
+    for names, ok, meaning in VALUE_RULES:
+        for name in names:
+            value = getattr(hp, name)
+            if not all(ok(v) for v in (value if isinstance(value, tuple) else [value])):
+                raise ConfigError(f"--{name} {meaning}, got {_flag_text(value)}")
     for name in ["batch_sizes", "lr_multipliers", "window_blocks"]:
         if len(getattr(hp, name)) != 3:
             raise ConfigError(f"--{name} needs exactly 3 values (one per third of the run), got {getattr(hp, name)}")
-    if min(hp.batch_sizes) <= 0:
-        raise ConfigError(f"--batch_sizes must be positive, got {hp.batch_sizes}")
-    if min(*hp.window_blocks, hp.extension_window_blocks) < 2:
-        raise ConfigError("--window_blocks and --extension_window_blocks must be at least 2 (short window = long // 2 blocks)")
     if hp.val_tokens % hp.val_batch_size:
         raise ConfigError(f"--val_tokens {hp.val_tokens} must be a multiple of --val_batch_size {hp.val_batch_size}")
+    if hp.vocab_size <= BOS_ID:
+        raise ConfigError(f"--vocab_size {hp.vocab_size} must exceed {BOS_ID}, the shards' document-start token (GPT-2 ids)")
     if hp.num_heads * hp.head_dim != hp.model_dim:
         raise ConfigError(f"--num_heads x --head_dim must equal --model_dim (the merged QKVO weight applies O as a "
                           f"{hp.model_dim} x {hp.model_dim} map); got {hp.num_heads} x {hp.head_dim} vs {hp.model_dim}")
+    if hp.model_dim < GATE_INPUTS:
+        raise ConfigError(f"--model_dim {hp.model_dim} is below {GATE_INPUTS}: the smear and attention gates read the "
+                          f"first {GATE_INPUTS} channels")
     if hp.head_dim % 4:
         raise ConfigError(f"--head_dim must be a multiple of 4 (half-truncated RoPE splits it in quarters), got {hp.head_dim}")
     longest_window = max(*hp.window_blocks, hp.extension_window_blocks) * hp.window_block_tokens
@@ -212,11 +231,19 @@ def check_hyperparameters(hp):
                           f"x --window_block_tokens) exceeds --max_seq_len {hp.max_seq_len}; shrink the window")
     if hp.save_every % 2:
         raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
+    if hp.device not in ("auto", "cuda", "cpu"):
+        raise ConfigError(f"--device must be auto, cuda or cpu, got {hp.device!r}")
     if hp.fp8 not in ("auto", "on", "off"):
         raise ConfigError(f"--fp8 must be auto, on or off, got {hp.fp8!r}")
     if hp.profile and not _parse_profile_range(hp.profile):
         raise ConfigError(f"--profile must look like START:END with 0 <= START < END, got {hp.profile!r}")
+    if hp.run_id and not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", hp.run_id):
+        raise ConfigError(f"--run_id may hold letters, digits, '.', '_' and '-' (it names a file), got {hp.run_id!r}")
     layer_roles(hp.num_layers)  # raises ConfigError for depths without a valid layout
+
+
+def _flag_text(value):
+    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _parse_profile_range(text):
@@ -300,9 +327,10 @@ def write_shard(path, tokens):
 
 def write_atomically(path, data):
     """Write bytes via a unique temp file next to `path`, fsync, rename: readers see the old file or
-    the new one, never a part; the temp file is removed if anything fails."""
+    the new one, never a part; the temp file is removed if anything fails. The temp name records the
+    host and process, so remove_stale_temp_files can tell a killed write from a running one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp = path.with_name(f".{path.name}~{platform.node()}~{os.getpid()}~{uuid.uuid4().hex[:8]}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # usual permissions, unlike mkstemp's 0600
     try:
         with os.fdopen(fd, "wb") as f:
@@ -314,6 +342,24 @@ def write_atomically(path, data):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def remove_stale_temp_files(folder):
+    """Delete the temp files of writes that were killed (this host's, whose process is gone)."""
+    removed = []
+    for tmp in Path(folder).glob(".*~*~*~*.tmp"):
+        _, host, pid, _ = tmp.name.rsplit("~", 3)
+        if host != platform.node() or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+                removed.append(tmp)
+        except OSError:
+            pass  # alive, another user's
+    return removed
 
 
 class BosIndex:
@@ -394,20 +440,35 @@ class TrainLoader:
     """BOS-aligned batches for one rank. The walk over documents is the same on every rank (each
     computes the global plan and keeps its own part), so ranks never need to talk about data."""
 
-    def __init__(self, pattern, rank, world_size, device, cycle=False, pool=None):
+    def __init__(self, pattern, rank, world_size, device, cycle=False, vocab_size=None, pool=None):
         self.files = sorted(glob.glob(pattern))
         if not self.files:
             raise DataError(f"no training shards match {pattern!r}; download them with "
                             f"`python data/cached_fineweb10B.py` or pass --train_files")
+        for path in self.files:  # every file readable, with a sound header and some tokens, before the first step
+            read_shard(path, max_tokens=0)
+            if os.path.getsize(path) == SHARD_HEADER_INTS * 4:
+                raise DataError(f"{path}: the shard holds no tokens (a header only); remove it or re-tokenize")
         self.rank, self.world_size, self.device, self.cycle = rank, world_size, device, cycle
+        self.vocab_size = vocab_size  # token ids are checked against it as each shard is read
         # one background thread reads the next shard, one indexes BOS positions
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="loader")
         self.reset()
 
+    def _load(self, index):
+        return load_shard_with_index(self.files[index], self._pool, self.vocab_size)
+
     def reset(self, shard=0, cursor=0, epoch=0):
         self.shard, self.cursor, self.epoch = shard, cursor, epoch
-        self.tokens, self.bos = load_shard_with_index(self.files[shard], self._pool)
-        self._prefetch = self._pool.submit(load_shard_with_index, self.files[self._following_shard()], self._pool)
+        self.tokens, self.bos = self._load(shard)
+        if self.bos.complete:
+            self._check_has_documents()
+        self._prefetch = self._pool.submit(self._load, self._following_shard())
+
+    def _check_has_documents(self):
+        if self.bos.available(need_all=True).size == 0:
+            raise DataError(f"{self.files[self.shard]}: no document start (token {BOS_ID}) in its {self.tokens.size} "
+                            f"tokens; every document must begin with it (re-tokenize the shard)")
 
     def close(self):
         """Stop the background threads (a pending prefetch is dropped)."""
@@ -434,7 +495,7 @@ class TrainLoader:
         self.shard = self._following_shard()
         self.cursor = 0
         self.tokens, self.bos = self._prefetch.result()
-        self._prefetch = self._pool.submit(load_shard_with_index, self.files[self._following_shard()], self._pool)
+        self._prefetch = self._pool.submit(self._load, self._following_shard())
 
     def next_batch(self, rank_tokens, max_seq_len):
         """(inputs, targets, cu_seqlens) of rank_tokens tokens each for this rank."""
@@ -444,6 +505,7 @@ class TrainLoader:
                 plan = plan_pieces(self.bos.available(), len(self.tokens), self.cursor, self.world_size, rank_tokens + 1,
                                    max_seq_len, index_complete=self.bos.complete)
             if plan is None:
+                self._check_has_documents()
                 plan = plan_pieces(self.bos.available(need_all=True), len(self.tokens), self.cursor, self.world_size,
                                    rank_tokens + 1, max_seq_len)
             if plan is not None:
@@ -623,9 +685,7 @@ def shift_keys(k):
     document starts (the first key of a document carries the previous document's last key)."""
     head_dim = k.size(-1)
     prev = torch.cat([k[:1], k[:-1]])
-    free = torch.zeros(head_dim, dtype=torch.bool, device=k.device)
-    free[head_dim // 4: head_dim // 2] = True
-    free[3 * head_dim // 4:] = True
+    free = torch.arange(head_dim, device=k.device) % (head_dim // 2) >= head_dim // 4  # the 2nd quarter of each half
     return torch.where(free, prev, k)
 
 
@@ -665,16 +725,21 @@ def sliding_document_mask(docs, window_tokens):
 
 class FlexWindowAttention:
     """The GPU attention: FlexAttention over a block mask (documents, causal, inclusive window).
-    An attention implementation builds a mask once per forward pass and applies it per layer."""
+    An attention implementation builds a mask once per forward pass and applies it per layer.
+    Eager FlexAttention materializes the whole score matrix, so a model that is not compiled as a
+    whole gets a compiled FlexAttention kernel of its own (compile_kernel=True)."""
 
     mask = staticmethod(sliding_document_mask)
+
+    def __init__(self, compile_kernel=False):
+        self.flex = torch.compile(flex_attention, dynamic=False) if compile_kernel else flex_attention
 
     def __call__(self, q, k, v, mask, scale):
         """(T, H, D) tensors -> (T, H, D). `scale` (a 0-dim tensor) multiplies the fp32 scores, as a
         softmax scale; as a tensor, YaRN's changes never recompile."""
         scale = scale.float()
-        out = flex_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=mask, scale=1.0,
-                             score_mod=lambda score, b, h, q_idx, kv_idx: score * scale)
+        out = self.flex(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=mask, scale=1.0,
+                        score_mod=lambda score, b, h, q_idx, kv_idx: score * scale)
         return out[0].transpose(0, 1)
 
 
@@ -810,18 +875,42 @@ def initial_scalars(num_layers, world_size):
 HEAD_FP8_SCALES = (100 / 448, 1.5 / 448, 0.75 / 448)
 
 
-def _scale(value, like):
-    return torch.tensor(value, dtype=torch.float32, device=like.device)
+def fp8_forward(x, w, x_s, w_s):
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, scale_a=x.new_tensor(x_s, dtype=torch.float32),
+                           scale_b=x.new_tensor(w_s, dtype=torch.float32), use_fast_accum=True)
+    return out, x_f8, w_f8
+
+
+def fp8_backward(g, x_f8, w_f8, x_s, w_s, grad_s):
+    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+    # _scaled_mm wants its first operand row-major and its second column-major
+    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
+                              scale_a=g.new_tensor(grad_s, dtype=torch.float32),
+                              scale_b=g.new_tensor(w_s, dtype=torch.float32), use_fast_accum=False)
+    # computed as (x_f8.T @ g_f8).T: for the head's (50304, 768) weight that orientation is the faster one
+    grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
+                              scale_a=g.new_tensor(x_s, dtype=torch.float32),
+                              scale_b=g.new_tensor(grad_s, dtype=torch.float32), use_fast_accum=False).T
+    return grad_x, grad_w
+
+
+# On CUDA the casts and scalings run compiled (fused, the scale tensors folded into constants); the
+# eager bodies serve the CPU.
+fp8_forward_compiled = torch.compile(fp8_forward, dynamic=False)
+fp8_backward_compiled = torch.compile(fp8_backward, dynamic=False)
 
 
 @torch.library.custom_op("speedrun::mm_fp8", mutates_args=())
 def mm_fp8(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
     """x (M, K) @ w (N, K).T -> bf16 (M, N); also returns the float8 casts saved for backward."""
-    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
-    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
-    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16,
-                           scale_a=_scale(x_s, x), scale_b=_scale(w_s, x), use_fast_accum=True)
-    return out, x_f8, w_f8
+    return fp8_forward(x, w, x_s, w_s)
+
+
+@mm_fp8.register_kernel("cuda")
+def _(x, w, x_s, w_s, grad_s):
+    return fp8_forward_compiled(x, w, x_s, w_s)
 
 
 @mm_fp8.register_fake
@@ -832,19 +921,19 @@ def _(x, w, x_s, w_s, grad_s):
 
 @torch.library.custom_op("speedrun::mm_fp8_backward", mutates_args=())
 def mm_fp8_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    """grad_x = g @ w (bf16), grad_w = g.T @ x (fp32), with g cast to float8_e5m2."""
-    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
-    # _scaled_mm wants its first operand row-major and its second column-major.
-    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
-                              scale_a=_scale(grad_s, g), scale_b=_scale(w_s, g), use_fast_accum=False)
-    grad_w = torch._scaled_mm(g_f8.T.contiguous(), x_f8.T.contiguous().T, out_dtype=torch.float32,
-                              scale_a=_scale(grad_s, g), scale_b=_scale(x_s, g), use_fast_accum=False)
-    return grad_x, grad_w
+    """grad_x = g @ w (bf16), grad_w = g.T @ x (fp32, column-major), with g cast to float8_e5m2."""
+    return fp8_backward(g, x_f8, w_f8, x_s, w_s, grad_s)
+
+
+@mm_fp8_backward.register_kernel("cuda")
+def _(g, x_f8, w_f8, x_s, w_s, grad_s):
+    return fp8_backward_compiled(g, x_f8, w_f8, x_s, w_s, grad_s)
 
 
 @mm_fp8_backward.register_fake
 def _(g, x_f8, w_f8, x_s, w_s, grad_s):
-    return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32)
+    grad_w = torch.empty_strided(w_f8.shape, (1, w_f8.shape[0]), dtype=torch.float32, device=w_f8.device)
+    return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), grad_w
 
 
 def _mm_fp8_setup_context(ctx, inputs, output):
@@ -880,12 +969,24 @@ def head_matmul(x, w, use_fp8):
 SOFTCAP, SOFTCAP_WIDTH = 30.0, 7.5
 
 
+# Validation computes the head over at most this many tokens at once, so its memory does not grow with
+# the validation batch: 16,384 x 50,304 logits x (2 + 4 + 4) bytes (bf16 out, fp32 softcap and
+# log-softmax) is ~8 GB, where the record's 262,144-token slice at once would be ~130 GB.
+EVAL_HEAD_ROWS = 16384
+
+
+def softcapped(logits):
+    return SOFTCAP * torch.sigmoid(logits.float() / SOFTCAP_WIDTH)
+
+
 def softcap_cross_entropy(x, weight, targets, training, use_fp8):
     """The head and its loss on the GPU path: summed over tokens in training (the caller divides by
     the accumulation steps), mean in fp32 for validation. The compiled graph fuses the softcap."""
-    logits = head_matmul(x, weight, use_fp8 and training)
-    logits = SOFTCAP * torch.sigmoid(logits.float() / SOFTCAP_WIDTH)
-    return F.cross_entropy(logits, targets, reduction="sum" if training else "mean")
+    if training:
+        return F.cross_entropy(softcapped(head_matmul(x, weight, use_fp8)), targets, reduction="sum")
+    total = sum(F.cross_entropy(softcapped(head_matmul(xc, weight, False)), tc, reduction="sum")
+                for xc, tc in zip(x.split(EVAL_HEAD_ROWS), targets.split(EVAL_HEAD_ROWS)))
+    return total / x.size(0)
 
 # ----------------------------------------------------------------------------------------------
 # CPU fallbacks, chosen once in build_model: FlexAttention has no CPU backward, so attention runs as
@@ -897,7 +998,7 @@ def local_window_mask(docs, window_tokens):
     Returns (tile mask, keys looked back)."""
     seq_len = docs.numel()
     n_tiles = -(-seq_len // ATTN_BLOCK)
-    lookback = min(window_tokens, seq_len)
+    lookback = min(int(window_tokens), seq_len)  # a shape: the CPU path reads the window on the host
     # Padding positions get one extra document id, so every query row has at least itself unmasked.
     padded = torch.cat([docs, (docs[-1:] + 1).expand(n_tiles * ATTN_BLOCK - seq_len)])
     q_pos = torch.arange(n_tiles * ATTN_BLOCK, device=docs.device).view(n_tiles, ATTN_BLOCK, 1)
@@ -918,8 +1019,9 @@ def local_window_attention(q, k, v, mask, scale):
         t = F.pad(t, (0, 0, 0, 0, lookback, tail))
         return t.unfold(0, lookback + ATTN_BLOCK, ATTN_BLOCK).permute(0, 1, 3, 2)
 
+    q = q * scale.to(q.dtype)  # the softmax scale, applied without reading it on the host
     q_tiles = F.pad(q, (0, 0, 0, 0, 0, tail)).view(n_tiles, ATTN_BLOCK, *q.shape[1:]).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q_tiles, windows(k), windows(v), attn_mask=allowed, scale=float(scale))
+    y = F.scaled_dot_product_attention(q_tiles, windows(k), windows(v), attn_mask=allowed, scale=1.0)
     return y.transpose(1, 2).reshape(n_tiles * ATTN_BLOCK, *q.shape[1:])[:seq_len]
 
 
@@ -1006,6 +1108,7 @@ def build_model(hp, world_size, device):
               *(block.attn.gate_w for block in model.blocks if block.attn is not None)]:
         p.data = p.data.to(torch.bfloat16)
     model.use_fp8 = hp.fp8 == "on" or (hp.fp8 == "auto" and fp8_supported(device))
+    model.attention = FlexWindowAttention(compile_kernel=not hp.compile)
     return model
 
 # ----------------------------------------------------------------------------------------------
@@ -1028,7 +1131,10 @@ def ba_plus_caa_torch(A, b, c, out=None):
 # Both outputs are symmetric ((XXᵀ)ᵀ = XXᵀ; A = Aᵀ ⇒ (A·A)ᵀ = A·A), so each kernel
 # computes only the output blocks (i, j) with i >= j and stores every off-diagonal
 # block a second time, transposed, at (j, i): ~half the FLOPs of a full matmul.
-SYM_BLOCK, SYM_BLOCK_K, SYM_WARPS = 128, 64, 8  # H100-sized tiles; legal for the interpreter
+# Tile configurations (BLOCK_M, BLOCK_K, warps, stages). On GPU the autotuner picks one per matrix size
+# (a 768x768 Gram matrix is only 21 tiles of 128 for 132 SMs: smaller tiles fill the GPU); under the
+# Triton interpreter (CPU tests) the first one runs, and tests can pick any.
+SYM_CONFIGS = [(64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3), (128, 32, 8, 4), (64, 64, 8, 4)]
 
 if HAS_TRITON:
 
@@ -1094,29 +1200,46 @@ if HAS_TRITON:
         _store_symmetric(C, acc, rm, rn, pid_m, pid_n, M, s_cm, s_cn)
 
 
-def _sym_launch(kernel, inp, out, *args, num_stages):
-    """Launch a lower-triangle kernel on (m, k) / (batch, m, k) input, output (.., m, m)."""
+if HAS_TRITON:
+    _AUTOTUNED = {
+        kernel: triton.autotune([triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+                                 for bm, bk, w, st in SYM_CONFIGS], key=key)(kernel)
+        for kernel, key in ((_xxt_kernel, ["M", "K"]), (_ba_plus_caa_kernel, ["M"]))}
+
+
+def _sym_launch(kernel, inp, out, *args, config=None):
+    """Launch a lower-triangle kernel on (m, k) / (batch, m, k) input, output (.., m, m); autotuned on
+    GPU unless `config` (one of SYM_CONFIGS) is given."""
     assert inp.ndim in (2, 3), f"expected a 2D or 3D tensor, got shape {tuple(inp.shape)}"
     M = inp.size(-2)
     if out is None:
         out = inp.new_empty(*inp.shape[:-1], M)
     x3, o3 = (inp, out) if inp.ndim == 3 else (inp.unsqueeze(0), out.unsqueeze(0))
-    nb = triton.cdiv(M, SYM_BLOCK)
-    grid = (nb * (nb + 1) // 2, x3.size(0))
-    kernel[grid](x3, o3, M, *args, *x3.stride(), *o3.stride(), BLOCK_M=SYM_BLOCK,
-                 BLOCK_K=SYM_BLOCK_K, num_warps=SYM_WARPS, num_stages=num_stages)
+
+    def grid(meta):
+        nb = triton.cdiv(M, meta["BLOCK_M"])
+        return nb * (nb + 1) // 2, x3.size(0)
+
+    if config is None and os.environ.get("TRITON_INTERPRET") == "1":
+        config = SYM_CONFIGS[0]
+    if config is None:
+        _AUTOTUNED[kernel][grid](x3, o3, M, *args, *x3.stride(), *o3.stride())
+    else:
+        block_m, block_k, warps, stages = config
+        kernel[grid](x3, o3, M, *args, *x3.stride(), *o3.stride(), BLOCK_M=block_m, BLOCK_K=block_k,
+                     num_warps=warps, num_stages=stages)
     return out
 
 
-def xxt_triton(X, out=None):
+def xxt_triton(X, out=None, config=None):
     """X @ X.mT via Triton (one triangle computed, mirrored); fp32 accumulation."""
-    return _sym_launch(_xxt_kernel, X, out, X.size(-1), num_stages=4)
+    return _sym_launch(_xxt_kernel, X, out, X.size(-1), config=config)
 
 
-def ba_plus_caa_triton(A, b, c, out=None):
+def ba_plus_caa_triton(A, b, c, out=None, config=None):
     """b*A + c*(A @ A) for symmetric A via Triton (one triangle computed, mirrored)."""
     assert A.size(-1) == A.size(-2), f"A must be square, got shape {tuple(A.shape)}"
-    return _sym_launch(_ba_plus_caa_kernel, A, out, float(b), float(c), num_stages=3)
+    return _sym_launch(_ba_plus_caa_kernel, A, out, float(b), float(c), config=config)
 
 
 # Polar Express per-step (a, b, c): X <- a X + (b A + c A²) X with A = X Xᵀ
@@ -1165,39 +1288,57 @@ class NorMuon:
 
     Parameters of one shape are stacked (sorted by label, so a rank's chunk holds contiguous runs of
     one kind); each rank owns a contiguous chunk of the stack (zero-padded so the chunks are equal),
-    receives its gradients by reduce-scatter, updates them, and all-gathers the new weights. Groups
-    are issued smallest first so their communication overlaps later compute. Gradients, momentum and
-    second moments keep the parameter's dtype (fp32 matrices; bf16 gates on GPU), as in the reference.
-    `polar` holds polar_express's options: GPU_POLAR_EXPRESS, or CPU_POLAR_EXPRESS on a CPU.
+    receives its gradients by reduce-scatter, updates them, and all-gathers the new weights. A stack
+    of at least two matrices per rank is split in two groups, so one group's communication overlaps
+    the other's Polar Express; groups run smallest first. With `sync_grads` set for the last
+    micro-step, a group's reduce-scatter starts from a gradient hook as soon as its last gradient is
+    final. Gradients, momentum and second moments keep the parameter's dtype (fp32 matrices; bf16
+    gates on GPU), as in the reference. `polar` holds polar_express's options: GPU_POLAR_EXPRESS, or
+    CPU_POLAR_EXPRESS on a CPU.
     """
 
     def __init__(self, params, lr, weight_decay, momentum, beta2=0.95, polar=GPU_POLAR_EXPRESS):
         self.rank, self.world_size = world_info()
         self.polar = polar
+        self.sync_grads = False
+        params = list(params)
         by_shape = {}
         for p in params:
             by_shape.setdefault(tuple(p.shape), []).append(p)
         self.param_groups = []
-        for shape, group_params in sorted(by_shape.items(), key=lambda kv: math.prod(kv[0]) * len(kv[1])):
-            group_params = sorted(group_params, key=lambda q: q.label)  # stable: keeps model order per label
-            chunk = -(-len(group_params) // self.world_size)
-            rows, cols = shape
-            is_gate = group_params[0].label == "gate"
-            if any((q.label == "gate") != is_gate for q in group_params):
+        for shape, same_shape in sorted(by_shape.items(), key=lambda kv: math.prod(kv[0]) * len(kv[1])):
+            same_shape = sorted(same_shape, key=lambda q: q.label)  # stable: keeps model order per label
+            if any((q.label == "gate") != (same_shape[0].label == "gate") for q in same_shape):
                 raise ValueError(f"NorMuon: gates and matrices share the shape {shape}; give them different shapes")
-            padding = [0.0] * (chunk * self.world_size - len(group_params))
+            parts = 2 if len(same_shape) >= 2 * self.world_size else 1
+            chunk = -(-len(same_shape) // (parts * self.world_size))
+            for start in range(0, len(same_shape), chunk * self.world_size):
+                self.param_groups.append(self._group(same_shape[start: start + chunk * self.world_size], lr,
+                                                     weight_decay, momentum, beta2))
+        self._order = {p: index for index, p in enumerate(params)}  # the state_dict's layout
+        self._group_of = {p: index for index, group in enumerate(self.param_groups) for p in group["params"]}
+        self._ready = [0] * len(self.param_groups)
+        self._reductions = {}
+        if self.world_size > 1:
+            for p in self._group_of:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
 
-            def per_param(values, device=group_params[0].device):
-                return torch.tensor(values + padding, dtype=torch.float32, device=device)
+    def _group(self, params, lr, weight_decay, momentum, beta2):
+        rows, cols = params[0].shape
+        chunk = -(-len(params) // self.world_size)
+        padding = [0.0] * (chunk * self.world_size - len(params))
 
-            self.param_groups.append(dict(
-                params=group_params, lr=lr, initial_lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2, chunk=chunk,
-                # NorMuon normalizes per row for tall/square matrices and gates, per column for wide matrices.
-                reduce_dim=-1 if rows >= cols or is_gate else -2,
-                # step size multiplier sqrt(max(1, rows/cols)) x the parameter's lr_mul (stored shape)
-                lr_scale=per_param([max(1.0, rows / cols) ** 0.5 * q.lr_mul for q in group_params]),
-                wd_scale=per_param([q.wd_mul for q in group_params]),
-                momentum_buffer=None, second_moment=None))
+        def per_param(values):
+            return torch.tensor(values + padding, dtype=torch.float32, device=params[0].device)
+
+        return dict(
+            params=params, lr=lr, initial_lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2, chunk=chunk,
+            # NorMuon normalizes per row for tall/square matrices and gates, per column for wide matrices.
+            reduce_dim=-1 if rows >= cols or params[0].label == "gate" else -2,
+            # step size multiplier sqrt(max(1, rows/cols)) x the parameter's lr_mul (stored shape)
+            lr_scale=per_param([max(1.0, rows / cols) ** 0.5 * q.lr_mul for q in params]),
+            wd_scale=per_param([q.wd_mul for q in params]),
+            momentum_buffer=None, second_moment=None)
 
     def zero_grad(self):
         for group in self.param_groups:
@@ -1216,18 +1357,29 @@ class NorMuon:
         return out
 
     @torch.no_grad()
+    def _grad_ready(self, p):
+        if not self.sync_grads:
+            return
+        index = self._group_of[p]
+        self._ready[index] += 1
+        if self._ready[index] == len(self.param_groups[index]["params"]):
+            self._reductions[index] = self._reduce(self.param_groups[index])
+
+    def _reduce(self, group):
+        """Start the reduce-scatter (AVG) of a group's stacked gradients: (this rank's chunk, handle)."""
+        grads = self._stack([p.grad for p in group["params"]], group)
+        if self.world_size == 1:
+            return grads, None
+        local = grads.new_empty(group["chunk"], *grads.shape[1:])
+        return local, dist.reduce_scatter_tensor(local, grads, op=dist.ReduceOp.AVG, async_op=True)
+
+    @torch.no_grad()
     def step(self):
-        pending = []
-        for group in self.param_groups:
-            grads = self._stack([p.grad for p in group["params"]], group)
-            if self.world_size > 1:
-                local = grads.new_empty(group["chunk"], *grads.shape[1:])
-                handle = dist.reduce_scatter_tensor(local, grads, op=dist.ReduceOp.AVG, async_op=True)
-            else:
-                local, handle = grads, None
-            pending.append((group, local, handle))
+        # groups whose hooks did not start a reduction (gradients set by hand, no sync_grads) start now
+        pending = [self._reductions.pop(index, None) or self._reduce(group) for index, group in enumerate(self.param_groups)]
+        self._ready = [0] * len(self.param_groups)
         gathers = []
-        for group, local, handle in pending:
+        for group, (local, handle) in zip(self.param_groups, pending):
             if handle is not None:
                 handle.wait()
             new_weights = self._update_chunk(group, local)
@@ -1271,33 +1423,30 @@ class NorMuon:
         return weights.to(group["params"][0].dtype)
 
     def state_dict(self):
-        """Full (un-sharded) state, identical on every rank; collective when distributed."""
-        groups = []
+        """Each parameter's momentum and second moment, in the order the parameters were given: the
+        same at any world size or grouping. Identical on every rank; collective when distributed."""
+        state = {key: [None] * len(self._order) for key in ("momentum_buffer", "second_moment")}
         for group in self.param_groups:
-            entry = {}
-            for key in ("momentum_buffer", "second_moment"):
-                local = group[key]
-                if local is None:
-                    entry[key] = None
-                    continue
-                full = gather_chunks(local, self.world_size)
-                entry[key] = full[: len(group["params"])].cpu().clone()
-            groups.append(entry)
-        return {"groups": groups}
+            for key in state:
+                if group[key] is not None:
+                    full = gather_chunks(group[key], self.world_size)
+                    for p, value in zip(group["params"], full):  # zip stops before the padding
+                        state[key][self._order[p]] = value.cpu().clone()
+        return state
 
     def load_state_dict(self, state):
-        if len(state["groups"]) != len(self.param_groups):
-            raise ValueError("NorMuon state does not match the parameter groups of this model")
-        for group, entry in zip(self.param_groups, state["groups"]):
+        if any(len(values) != len(self._order) for values in state.values()):
+            raise ValueError("NorMuon state does not match the parameters of this model")
+        for group in self.param_groups:
             start, stop, n_real = self._owned(group)
-            device = group["params"][0].device
             for key in ("momentum_buffer", "second_moment"):
-                full = entry[key]
-                if full is None:
+                values = [state[key][self._order[p]] for p in group["params"]]
+                if values[0] is None:
                     group[key] = None
                     continue
-                local = torch.zeros(group["chunk"], *full.shape[1:], dtype=full.dtype, device=device)
-                local[:n_real] = full[start: start + n_real].to(device)
+                local = values[0].new_zeros(group["chunk"], *values[0].shape, device=group["params"][0].device)
+                for i, value in enumerate(values[start: start + n_real]):
+                    local[i] = value
                 group[key] = local
 
 
@@ -1577,7 +1726,12 @@ class RunLog:
         self.path, self.enabled = path, enabled
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("w", encoding="utf-8") as f:
+            try:
+                f = path.open("x", encoding="utf-8")  # exclusive: two runs never share (or overwrite) a log
+            except FileExistsError:
+                raise ConfigError(f"{path} exists: the run id {path.stem!r} is taken; pass another --run_id "
+                                  f"(or none for a fresh one)") from None
+            with f:
                 f.write(script_source())
                 f.write(f"{SEPARATOR}\n{environment_report()}script_sha256 {script_sha256()}\n{SEPARATOR}\n")
 
@@ -1636,17 +1790,25 @@ def load_checkpoint(path):
 
 
 def setup_distributed(hp):
-    """torchrun (RANK/WORLD_SIZE set) or a single plain process; NCCL on CUDA, gloo on CPU."""
+    """torchrun (RANK/WORLD_SIZE set) or a single plain process; NCCL on CUDA, gloo on CPU. The device
+    follows the node-local rank; data and logs follow the global rank."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.is_available():
+    if hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu or auto")
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {local_rank} needs {local_rank + 1} GPUs but {torch.cuda.device_count()} "
+                              f"are visible; start fewer processes per node (torchrun --nproc_per_node)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(hp.cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        # the first compile on 8 ranks can keep a rank from the next collective for many minutes
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30),
+                                device_id=device if device.type == "cuda" else None)
     return rank, world_size, device
 
 
@@ -1673,24 +1835,58 @@ def resolve_data(hp, rank):
     return train, val, f"train {train}, val {val}"
 
 
+# Settings that may differ when resuming: they do not change the training trajectory.
+RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force", "profile", "cpu_threads",
+                     "val_loss_every", "warmup_steps", "device", "compile", "fp8", "seed", "train_files", "val_files",
+                     "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size"}
+MODEL_SHAPE_FLAGS = ("vocab_size", "num_layers", "num_heads", "head_dim", "model_dim")
+
+
+def _flags(values, names):
+    return ", ".join(f"--{name} {_flag_text(tuple(values[name]) if isinstance(values[name], list) else values[name])}"
+                     for name in names)
+
+
+@contextlib.contextmanager
+def failing_together(device):
+    """Run a block on every rank; if it fails on any rank, fail on all (one rank stopping alone would
+    leave the others waiting in their next collective)."""
+    error = None
+    try:
+        yield
+    except (ConfigError, DataError, OSError) as e:
+        error = e
+    if dist_ready():
+        failed = torch.tensor([float(error is not None)], device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() and error is None:
+            raise ConfigError("another process stopped during setup (its message is above)")
+    if error is not None:
+        raise error
+
+
 class Trainer:
     """Holds the run's moving parts: setup in __init__, warm_up(), then run(), the timed loop."""
 
     def __init__(self, hp, argv=()):
         self.hp = hp
         self.rank, self.world_size, self.device = setup_distributed(hp)
-        self.accum = grad_accum_steps(hp, self.world_size)
-        for b in hp.batch_sizes:
-            tokens_per_rank(b, self.world_size, self.accum)
-        tokens_per_rank(hp.val_batch_size, self.world_size, self.accum, what="--val_batch_size")
-        self.run_id = hp.run_id or str(uuid.uuid4())
-        self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0)
-        self.log(f"args: {json.dumps(list(argv))}", console=False)
-        self.log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
-        self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
-        train_pattern, val_pattern, data_description = resolve_data(hp, self.rank)
-        self.log(f"data: {data_description}")
-        self.val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1)  # read once, checked now
+        with failing_together(self.device):  # everything that can be wrong with the input, before any work
+            self.accum = grad_accum_steps(hp, self.world_size)
+            for b in hp.batch_sizes:
+                tokens_per_rank(b, self.world_size, self.accum)
+            tokens_per_rank(hp.val_batch_size, self.world_size, self.accum, what="--val_batch_size")
+            self.run_id = hp.run_id or str(uuid.uuid4())
+            self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0)
+            self.log(f"args: {json.dumps(list(argv))}", console=False)
+            self.log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
+            self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
+            train_pattern, val_pattern, data_description = resolve_data(hp, self.rank)
+            self.log(f"data: {data_description}")
+            self.val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
+            self.loader = TrainLoader(train_pattern, self.rank, self.world_size, self.device, hp.cycle_data,
+                                      vocab_size=hp.vocab_size)
+            self.resume_from = load_checkpoint(hp.resume) if hp.resume else None
         torch.manual_seed(hp.seed)
         self.model = build_model(hp, self.world_size, self.device)
         if self.world_size > 1:
@@ -1701,8 +1897,12 @@ class Trainer:
         if self.device.type == "cuda" and hp.compile:
             torch._dynamo.config.cache_size_limit = 64
             self.forward = torch.compile(self.model, dynamic=False, fullgraph=True)
-        self.loader = TrainLoader(train_pattern, self.rank, self.world_size, self.device, hp.cycle_data)
         self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
+        # every (short, long) window pair of the run as a device tensor, made once: the compiled model
+        # takes the windows as data, so no window change recompiles and no step copies them
+        pairs = {window_blocks_at(step, hp) for step in stage_first_steps(hp)} | {final_window_blocks(hp)}
+        self.windows = {pair: torch.tensor(pair, dtype=torch.int32, device=self.device) for pair in pairs}
+        self.peak_bytes = self.eval_peak_bytes = 0  # CUDA memory high-water marks (the allocator's is reset)
         self.step = 0
         self.training_time_ms = 0.0
         self.tokens_seen = 0
@@ -1711,7 +1911,8 @@ class Trainer:
     # --- one step -------------------------------------------------------------------------
     def train_step(self, step):
         """One optimizer step: the step's schedule, `accum` micro-batches forward and backward, the
-        optimizers. Returns the step's loss as a device tensor (reading it waits for the GPU)."""
+        optimizers. Returns the step's loss summed over ranks, as a device tensor (reading it waits for
+        the GPU); no host-device synchronization happens inside."""
         hp = self.hp
         batch_size, windows = apply_schedule(step, hp, self.model, self.muon, self.adam)
         rank_tokens = tokens_per_rank(batch_size, self.world_size, self.accum)
@@ -1719,10 +1920,14 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             inputs, targets, cu_seqlens = self.loader.next_batch(rank_tokens, hp.max_seq_len)
-            self.adam.sync_grads = adam_steps_at(step) and micro == self.accum - 1
-            loss = self.forward(inputs, targets, cu_seqlens, windows) / self.accum
+            last = micro == self.accum - 1
+            self.muon.sync_grads = last  # the hooks start each group's reduce-scatter as its gradients are final
+            self.adam.sync_grads = adam_steps_at(step) and last
+            loss = self.forward(inputs, targets, cu_seqlens, self.windows[windows]) / self.accum
             loss.backward()
             total += loss.detach()
+        if self.world_size > 1:
+            dist.all_reduce(total)  # a non-finite loss on any rank stops every rank at the same step
         step_optimizers(step, self.muon, self.adam)
         self.tokens_seen += rank_tokens * self.accum * self.world_size
         return total
@@ -1732,12 +1937,17 @@ class Trainer:
         """Mean loss over the validation tokens, all ranks together, with the given (short, long) windows."""
         hp = self.hp
         self.model.eval()
-        losses = [self.forward(*batch, windows) for batch in validation_batches(
-            self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size, self.accum, self.device)]
-        loss = torch.stack(losses).mean()
+        with self.eval_peak_memory():
+            losses = [self.forward(*batch, self.windows[windows]) for batch in validation_batches(
+                self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size, self.accum, self.device)]
+            loss = torch.stack(losses).mean()
         if self.world_size > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        return loss.item()
+        value = loss.item()
+        if not math.isfinite(value):
+            raise FloatingPointError(f"validation loss is {value}; lower the learning rates (--muon_lr/--adam_lr) "
+                                     f"or check the data, then rerun")
+        return value
 
     # --- state -------------------------------------------------------------------------------
     def snapshot(self):
@@ -1762,21 +1972,51 @@ class Trainer:
         self.muon.zero_grad()
         self.adam.zero_grad()
 
-    def resume(self, path):
-        snap = load_checkpoint(path)
-        if snap["script_sha256"] != script_sha256() and not self.hp.force:
-            raise ConfigError(f"{path} was written by a different train_gpt.py; pass --force true to resume anyway")
-        if snap["world_size"] != self.world_size:
-            raise ConfigError(f"{path} was written with {snap['world_size']} processes; resume with the same number")
+    def resume(self, path, snap):
+        self.check_resumable(path, snap)
+        stale = remove_stale_temp_files(Path(path).parent) if self.rank == 0 else []
+        if stale:
+            self.log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in {Path(path).parent}")
         self.restore(snap)
         self.log(f"resumed from {path} at step {self.step}")
 
+    def check_resumable(self, path, snap):
+        """Refuse, in one line, a checkpoint this run cannot continue faithfully."""
+        ours, theirs = dataclasses.asdict(self.hp), snap["hyperparameters"]
+        shape = [name for name in MODEL_SHAPE_FLAGS if ours[name] != theirs.get(name)]
+        if shape:
+            raise ConfigError(f"{path} holds a model with {_flags(theirs, shape)} but this run has {_flags(ours, shape)}; "
+                              f"pass the checkpoint's settings to resume it")
+        if snap["step"] > self.total_steps:
+            raise ConfigError(f"{path} is at step {snap['step']}, past this run's last step {self.total_steps}; "
+                              f"resume an earlier checkpoint or lengthen the run")
+        if snap["world_size"] != self.world_size:
+            raise ConfigError(f"{path} was written with {snap['world_size']} processes; resume with the same number")
+        if self.hp.force:
+            return
+        if snap["script_sha256"] != script_sha256():
+            raise ConfigError(f"{path} was written by a different train_gpt.py; pass --force true to resume anyway")
+        changed = [name for name in ours if name not in RESUME_FREE_FLAGS and ours[name] != theirs.get(name)]
+        if changed:
+            raise ConfigError(f"{path} was written with {_flags(theirs, changed)} but this run has {_flags(ours, changed)}; "
+                              f"pass the same settings, or --force true to continue with the new ones")
+
     def checkpoint(self, tag):
+        """Write a checkpoint (rank 0). A failed periodic write only warns: training goes on and the
+        earlier checkpoints stay; a failed final write ends the run."""
         snap = self.snapshot()
-        if self.rank == 0:
-            path = Path(self.hp.log_dir) / "checkpoints" / self.run_id / f"{tag}.pt"
+        if self.rank != 0:
+            return
+        path = Path(self.hp.log_dir) / "checkpoints" / self.run_id / f"{tag}.pt"
+        try:
             save_checkpoint(path, snap)
-            self.log(f"saved checkpoint {path}")
+        except OSError as e:
+            if tag == "final":
+                raise
+            self.log(f"warning: could not write checkpoint {path} ({e.strerror or e}); training goes on and the "
+                     f"earlier checkpoints are kept")
+            return
+        self.log(f"saved checkpoint {path}")
 
     def warm_up(self):
         """Compile every batch-size/window variant and the validation pass, then undo it all."""
@@ -1808,8 +2048,8 @@ class Trainer:
         hp = self.hp
         if hp.warmup_steps:
             self.warm_up()
-        if hp.resume:
-            self.resume(hp.resume)
+        if self.resume_from is not None:
+            self.resume(hp.resume, self.resume_from)
         pending_loss = None  # checked one step late on CUDA so the host never waits for the GPU
         val_losses = []
         self.synchronize()
@@ -1876,10 +2116,23 @@ class Trainer:
             raise FloatingPointError(f"training loss is {value} at step {step}; lower the learning rates "
                                      f"(--muon_lr/--adam_lr) or check the data, then rerun")
 
+    @contextlib.contextmanager
+    def eval_peak_memory(self):
+        """Measure the validation's own CUDA memory peak (the run's overall peak keeps counting)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        yield
+        self.eval_peak_bytes = max(self.eval_peak_bytes, torch.cuda.max_memory_allocated())
+
     def log_summary(self):
         if self.device.type == "cuda":
-            self.log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+            peak = max(self.peak_bytes, torch.cuda.max_memory_allocated())
+            self.log(f"peak memory allocated: {peak // 2**20} MiB "
                      f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+            self.log(f"validation peak memory allocated: {self.eval_peak_bytes // 2**20} MiB")
         else:
             self.log(f"peak memory (CPU max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
         seconds = self.training_time_ms / 1000
@@ -1925,6 +2178,13 @@ def main(argv=None):
     except (ConfigError, DataError, FloatingPointError) as e:
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a log or checkpoint folder that cannot be written, a full disk, ...
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"train_gpt.py: error: {where}{e.strerror or e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("train_gpt.py: error: interrupted; resume from the last checkpoint with --resume", file=sys.stderr)
+        sys.exit(130)
     finally:
         if dist_ready():
             dist.destroy_process_group()

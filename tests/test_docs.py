@@ -41,3 +41,13 @@ def test_help_lists_every_field_with_default(capsys, monkeypatch):
         assert f"--{f.name}" in lines, f.name
         assert f"(default: {f.default})" in lines[f"--{f.name}"], lines[f"--{f.name}"]
     assert "--preset" in lines and "cpu" in lines["--preset"]
+
+
+def test_dockerfile_uses_the_ci_torch_and_a_lean_context():
+    ci = (ROOT / ".ci" / "run").read_text()
+    docker = (ROOT / "Dockerfile").read_text()
+    pinned = re.search(r'"torch==([\d.]+)"', ci)[1]
+    assert f"torch=={pinned}" in docker, "the Dockerfile must install the torch version CI tests"
+    assert "TORCHINDUCTOR_CACHE_DIR=/speedrun/logs/" in docker  # the compile cache lives on the logs volume
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", "data/fineweb10B", "data/synthetic", "data/novels", "logs"} <= set(ignored)

@@ -8,8 +8,11 @@
 - Polar Express on a (16, 3072, 768) stack: Triton kernels vs the torch path agree; TFLOP/s of each;
   the Triton path is faster;
 - compiled FlexAttention (block-sparse kernel, which the CPU tests cannot run) matches a naive
-  masked softmax, forward and backward, for packed documents and a length not a multiple of 128.
-Budget: two compilations of the record model dominate (minutes on a fresh machine).
+  masked softmax, forward and backward, for packed documents and a length not a multiple of 128;
+- the FP8 head's gradients against the bf16 head's at the stage-3 shape (cosine > 0.99);
+- one full Trainer.train_step on CUDA (NorMuon with its gradient hooks, DistAdam, the schedule);
+- the peak memory of a stage-3 forward+backward of the record model (49,152 tokens) fits 80 GB.
+Budget: the compilations of the record model dominate (minutes on a fresh machine).
 """
 import math
 import statistics
@@ -172,3 +175,52 @@ def test_compiled_flex_matches_naive(T, bounds, window):
           + ", ".join(f"{e:.2e}/{s:.2e}" for e, s in zip(errs, scales)))
     for e, s in zip(errs, scales):
         assert e <= 5e-2 * max(s, 1e-3)  # bf16 inputs/outputs; a wrong tile list gives O(1) errors
+
+
+def test_fp8_head_gradients_match_bf16_at_stage3_shape():
+    tokens, dim, vocab = 49152, 768, 50304
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    x = (torch.randn(tokens, dim, device=DEVICE, generator=g) * 1.5).bfloat16()
+    w = (torch.randn(vocab, dim, device=DEVICE, generator=g) * 0.005).bfloat16()
+    targets = torch.randint(0, vocab, (tokens,), device=DEVICE, generator=g)
+    grads = {}
+    for fp8 in (False, True):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        tg.softcap_cross_entropy(xr, wr, targets, True, fp8).backward()
+        grads[fp8] = (xr.grad.float(), wr.grad.float())
+    for name, a, b in zip(("x", "w"), grads[True], grads[False]):
+        cosine = (a.flatten() @ b.flatten() / (a.norm() * b.norm())).item()
+        print(f"\n[gpu] FP8 vs bf16 head gradient cosine ({name}): {cosine:.5f}")
+        assert cosine > 0.99, (name, cosine)
+    assert grads[True][1].stride() == (1, vocab) or grads[True][1].is_contiguous()  # computed as (x.T @ g).T
+
+
+def test_one_train_step_with_both_optimizers(tmp_path):
+    folder = tmp_path / "corpus"
+    tg.synthetic_corpus(folder, train_tokens=300_000, val_tokens=20_000)
+    argv = ["--preset", "cpu", "--device", "cuda", "--num_scheduled_iterations", "4", "--num_extension_iterations", "0",
+            "--warmup_steps", "0", "--log_dir", str(tmp_path / "logs"), "--val_tokens", "8192",
+            "--train_files", str(folder / "synthetic_train_*.bin"), "--val_files", str(folder / "synthetic_val_*.bin")]
+    trainer = tg.Trainer(tg.parse_args(argv), argv)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    losses = [trainer.train_step(step).item() for step in range(2)]  # NorMuon twice, DistAdam once
+    trainer.loader.close()
+    assert all(math.isfinite(l) for l in losses), losses
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == set(before), set(before) - moved  # every parameter was updated by its optimizer
+
+
+def test_stage3_step_memory_fits_an_80gb_gpu(record_model):
+    hp, model, compiled = record_model
+    model.use_fp8 = tg.fp8_supported(DEVICE)
+    batch = _packed_batch(49152, hp.vocab_size, seed=3)
+    windows = torch.tensor(tg.window_blocks_at(hp.num_scheduled_iterations - 1, hp), dtype=torch.int32, device=DEVICE)
+    step = _fwd_bwd(model, compiled, batch, windows)
+    step()
+    _sync()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    _sync()
+    peak = torch.cuda.max_memory_allocated()
+    print(f"\n[gpu] stage-3 forward+backward (49,152 tokens/rank): peak allocated {peak / 2**30:.1f} GiB")
+    assert peak < 80 * 2**30

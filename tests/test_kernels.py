@@ -61,21 +61,25 @@ def test_ba_plus_caa_triton_matches_torch(shape):
 
 
 @needs_triton
-def test_mirrored_blocks_are_exact_transposes():
-    bs = tg.SYM_BLOCK
+@pytest.mark.parametrize("config", tg.SYM_CONFIGS, ids=str)
+def test_mirrored_blocks_are_exact_transposes(config):
+    bs = config[0]
     X = _randn(2, bs + 2, 96).to(KDTYPE)  # two row blocks: block (1, 0) is mirrored to (0, 1)
-    for C in (tg.xxt_triton(X), tg.ba_plus_caa_triton(tg.xxt_triton(X), 0.5, -0.25)):
+    for C in (tg.xxt_triton(X, config=config), tg.ba_plus_caa_triton(tg.xxt_triton(X, config=config), 0.5, -0.25,
+                                                                       config=config)):
         assert torch.equal(C[:, :bs, bs:], C[:, bs:, :bs].mT)
 
 
 @needs_triton
-def test_many_blocks_triangle_mapping(monkeypatch):
-    # small tiles -> 13 row blocks, 91 lower-triangle programs: every (i, j) must be covered once
-    monkeypatch.setattr(tg, "SYM_BLOCK", 16)
-    monkeypatch.setattr(tg, "SYM_BLOCK_K", 16)
-    monkeypatch.setattr(tg, "SYM_WARPS", 2)
-    X = _randn(200, 24, seed=2).to(KDTYPE)
-    _assert_close(tg.xxt_triton(X), tg.xxt_torch(X.float()))
+@pytest.mark.parametrize("config", [*tg.SYM_CONFIGS, (16, 16, 2, 1)], ids=str)
+def test_every_tile_config_computes_the_products(config):
+    """Each autotune candidate (and small 16x16 tiles: 13 row blocks, 91 lower-triangle programs,
+    every (i, j) covered once) gives the torch result for both kernels."""
+    X = _randn(200, 72, seed=2).to(KDTYPE)
+    _assert_close(tg.xxt_triton(X, config=config), tg.xxt_torch(X.float()))
+    A = tg.xxt_torch(X.float())
+    A = (A / A.norm()).to(KDTYPE)
+    _assert_close(tg.ba_plus_caa_triton(A, -2.8, 0.5, config=config), tg.ba_plus_caa_torch(A.float(), -2.8, 0.5))
 
 
 # ---------------------------------------------------------------- Polar Express

@@ -3,6 +3,7 @@ against an independent reference walk, the BOS-index fast path, resume, validati
 synthetic corpus (determinism, BOS structure, learnability)."""
 
 import concurrent.futures
+import dataclasses
 import math
 import time
 
@@ -387,13 +388,14 @@ def test_tiny_model_learns_synthetic_corpus(tmp_path, one_thread):
     lut[torch.from_numpy(ids.astype(np.int64))] = torch.arange(len(ids))
 
     steps, batch = 60, 1024  # batch: --batch_sizes below
-    hp = tg.parse_args(["--preset", "cpu", "--vocab_size", "513", "--num_layers", "9", "--model_dim", "64",
+    hp = tg.parse_args(["--preset", "cpu", "--num_layers", "9", "--model_dim", "64",
                         "--num_heads", "2", "--head_dim", "32", "--batch_sizes", "1024", "1024", "1024",
                         "--max_seq_len", "256", "--window_block_tokens", "64", "--window_blocks", "2", "2", "2",
                         "--extension_window_blocks", "2", "--lr_multipliers", "1.0", "1.51", "1.93",
                         "--final_val_window_blocks", "4", "--num_scheduled_iterations", str(steps),
                         "--num_extension_iterations", "0", "--muon_momentum_warmup_steps", "20",
                         "--muon_momentum_cooldown_steps", "0", "--adam_lr", "0.03"])
+    hp = dataclasses.replace(hp, vocab_size=513)  # remapped ids (the flag itself needs room for BOS 50256)
     torch.manual_seed(0)
     model = tg.build_model(hp, 1, CPU)
     muon, adam = tg.make_optimizers(model, hp)

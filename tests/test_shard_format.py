@@ -192,8 +192,8 @@ def test_failed_write_keeps_the_old_shard_and_no_temp_file(tmp_path, monkeypatch
     monkeypatch.undo()
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]
-    for tmp in temp_files:  # the temp file was next to the shard, named .s.bin.*.tmp
-        assert tmp.parent == tmp_path and tmp.name.startswith(".s.bin.") and tmp.name.endswith(".tmp")
+    for tmp in temp_files:  # the temp file was next to the shard, named .s.bin<unique part>.tmp
+        assert tmp.parent == tmp_path and tmp.name.startswith(".s.bin") and tmp.name.endswith(".tmp")
     assert len(temp_files) == (failing == "replace")
     WRITERS[writer](path, [4, 5])  # and a later write works
     np.testing.assert_array_equal(shards.read_shard(path), [4, 5])

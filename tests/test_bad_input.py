@@ -1,0 +1,315 @@
+"""Bad input and faults end in one clear line and lose nothing, by class: flags, data, checkpoints,
+logs. Each case runs train_gpt.main in this process with a tiny configuration and checks the exit
+code, that stderr is exactly one line naming the flag or file, and (for data) that it happens before
+the first training step."""
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as tg
+
+BOS = tg.BOS_ID
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    tg.synthetic_corpus(folder, train_tokens=60_000, val_tokens=8_192)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(corpus, log_dir, *extra, train=None, val=None):
+    return ["--preset", "cpu", "--batch_sizes", "512", "512", "512", "--val_tokens", "1024", "--val_batch_size", "512",
+            "--max_seq_len", "256", "--window_blocks", "2", "2", "2", "--extension_window_blocks", "2",
+            "--final_val_window_blocks", "3", "--num_layers", "9", "--model_dim", "64", "--num_heads", "2",
+            "--head_dim", "32", "--cpu_threads", "1", "--window_block_tokens", "64", "--warmup_steps", "0",
+            "--num_scheduled_iterations", "4", "--num_extension_iterations", "0", "--val_loss_every", "0",
+            "--muon_momentum_warmup_steps", "2", "--muon_momentum_cooldown_steps", "0", "--log_dir", str(log_dir),
+            "--train_files", str(train or corpus / "synthetic_train_*.bin"),
+            "--val_files", str(val or corpus / "synthetic_val_*.bin"), *map(str, extra)]
+
+
+def run_main(argv, capsys):
+    """(returned val losses or None, exit code, stderr) of tg.main in this process."""
+    capsys.readouterr()
+    try:
+        result, code = tg.main(list(map(str, argv))), 0
+    except SystemExit as e:
+        result, code = None, e.code
+    return result, code, capsys.readouterr().err
+
+
+def one_line_error(code, err, *needles):
+    lines = err.strip().splitlines()
+    assert code == 2, (code, err)
+    assert len(lines) == 1 and lines[0].startswith("train_gpt.py: error:"), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def no_training_happened(log_dir):
+    text = "".join(p.read_text() for p in log_dir.glob("*.txt"))
+    assert not re.search(r"^step:\d+/\d+ train_time", text, re.M)
+
+
+# ---------------------------------------------------------------------------------------------- flags
+
+BAD_FLAGS = [
+    (["--seed", "99999999999999999999999"], "--seed"),
+    (["--seed", "-1"], "--seed"),
+    (["--muon_lr", "-0.5"], "--muon_lr"),
+    (["--adam_lr", "-0.5"], "--adam_lr"),
+    (["--adam_lr", "nan"], "--adam_lr"),
+    (["--muon_lr", "inf"], "--muon_lr"),
+    (["--adam_lr", "0"], "--adam_lr"),
+    (["--adam_betas", "1.0", "1.0"], "--adam_betas"),
+    (["--adam_betas", "-0.1", "0.9"], "--adam_betas"),
+    (["--muon_momentum", "0.85", "1.0"], "--muon_momentum"),
+    (["--muon_beta2", "1.5"], "--muon_beta2"),
+    (["--muon_wd", "-1"], "--muon_wd"),
+    (["--adam_wd", "-0.1"], "--adam_wd"),
+    (["--adam_eps", "0"], "--adam_eps"),
+    (["--cooldown_frac", "1.5"], "--cooldown_frac"),
+    (["--cooldown_frac", "-0.1"], "--cooldown_frac"),
+    (["--lr_multipliers", "1", "nan", "1"], "--lr_multipliers"),
+    (["--final_lr_multiplier", "-1"], "--final_lr_multiplier"),
+    (["--model_dim", "8", "--num_heads", "1", "--head_dim", "8"], "--model_dim 8"),
+    (["--num_heads", "4", "--head_dim", "33", "--model_dim", "132"], "--head_dim"),
+    (["--num_heads", "3", "--head_dim", "32"], "--model_dim"),
+    (["--vocab_size", "1000"], "--vocab_size 1000"),
+    (["--num_layer", "10"], "--num_layer"),  # no prefix matching of flags
+    (["--run_id", "../elsewhere"], "--run_id"),
+    (["--extension_window_blocks", "1"], "--extension_window_blocks"),
+    (["--window_blocks", "2", "1", "2"], "--window_blocks"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", BAD_FLAGS, ids=[" ".join(e) for e, _ in BAD_FLAGS])
+def test_bad_flag_is_one_line_before_any_work(corpus, tmp_path, capsys, extra, needle):
+    result, code, err = run_main([*tiny(corpus, tmp_path), *extra], capsys)
+    assert result is None
+    one_line_error(code, err, needle)
+    assert not list(tmp_path.glob("*.txt"))  # rejected before a log was even created
+
+
+def test_abbreviated_flag_is_not_taken_for_the_full_one():
+    with pytest.raises(SystemExit):
+        tg.build_arg_parser().parse_args(["--num_layer", "10"])
+    assert tg.build_arg_parser().parse_args(["--num_layers", "10"]).num_layers == 10
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def write(path, tokens):
+    tg.write_shard(path, np.asarray(tokens))
+    return path
+
+
+def corrupt_copy(corpus, tmp_path, which, change):
+    """A copy of the synthetic `which` shard changed by `change(tokens) -> tokens`; returns its glob."""
+    folder = tmp_path / f"{which}_data"
+    folder.mkdir()
+    tokens = tg.read_shard(next(corpus.glob(f"synthetic_{which}_*.bin"))).astype(np.int64)
+    raw = change(tokens.copy())
+    if isinstance(raw, bytes):
+        (folder / f"{which}_000000.bin").write_bytes(raw)
+    else:
+        header = np.zeros(256, dtype="<i4")
+        header[:3] = 20240520, 1, len(raw)
+        (folder / f"{which}_000000.bin").write_bytes(header.tobytes() + np.asarray(raw, dtype="<u2").tobytes())
+    return folder / f"{which}_*.bin", folder / f"{which}_000000.bin"
+
+
+def with_big_id(tokens):
+    tokens[500] = 60000  # inside the validation prefix too (only the prefix is read and used)
+    return tokens
+
+
+def header_only(tokens):
+    return tokens[:0]
+
+
+def no_bos(tokens):
+    tokens[tokens == BOS] = 7
+    return tokens
+
+
+@pytest.mark.parametrize("which,change,needle", [
+    ("train", with_big_id, "token id 60000 at position 500 is not below the vocabulary size 50257"),
+    ("val", with_big_id, "token id 60000 at position 500 is not below the vocabulary size 50257"),
+    ("train", header_only, "holds no tokens"),
+    ("val", header_only, "hold 0 tokens; --val_tokens 1024 needs one more"),
+    ("train", no_bos, "no document start (token 50256)"),
+])
+def test_bad_shard_is_named_before_training(corpus, tmp_path, capsys, which, change, needle):
+    pattern, path = corrupt_copy(corpus, tmp_path, which, change)
+    kwargs = {which: pattern}
+    log_dir = tmp_path / "logs"
+    result, code, err = run_main(tiny(corpus, log_dir, **kwargs), capsys)
+    line = one_line_error(code, err, needle)
+    assert str(path) in line or str(pattern) in line
+    no_training_happened(log_dir)
+
+
+def test_glob_matching_a_directory(corpus, tmp_path, capsys):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "train_000000.bin").mkdir()
+    log_dir = tmp_path / "logs"
+    result, code, err = run_main(tiny(corpus, log_dir, train=tmp_path / "shards" / "train_*.bin"), capsys)
+    one_line_error(code, err, "train_000000.bin", "Is a directory")
+    no_training_happened(log_dir)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can read any file")
+def test_unreadable_shard(corpus, tmp_path, capsys):
+    pattern, path = corrupt_copy(corpus, tmp_path, "train", lambda t: t)
+    path.chmod(0)
+    result, code, err = run_main(tiny(corpus, tmp_path / "logs", train=pattern), capsys)
+    one_line_error(code, err, str(path), "Permission denied")
+
+
+def test_val_shard_shorter_than_val_tokens_is_reported_first(corpus, tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    result, code, err = run_main([*tiny(corpus, log_dir), "--val_tokens", "16384", "--val_batch_size", "512"], capsys)
+    one_line_error(code, err, "--val_tokens 16384 needs one more")
+    no_training_happened(log_dir)
+
+
+def test_explicit_glob_matching_nothing_is_an_error_even_with_the_fallback(corpus, tmp_path, capsys):
+    """The synthetic corpus replaces only the default globs, never one the user gave."""
+    missing = str(tmp_path / "nothere_*.bin")
+    result, code, err = run_main([*tiny(corpus, tmp_path), "--train_files", missing, "--synthetic_fallback", "true"],
+                                 capsys)
+    one_line_error(code, err, "--train_files", missing)
+
+
+# ---------------------------------------------------------------------------------------------- logs
+
+
+def test_run_id_is_exclusive(corpus, tmp_path, capsys):
+    argv = tiny(corpus, tmp_path, "--run_id", "taken")
+    result, code, err = run_main(argv, capsys)
+    assert code == 0, err
+    first = (tmp_path / "taken.txt").read_text()
+    result, code, err = run_main(argv, capsys)
+    one_line_error(code, err, "taken.txt exists", "--run_id")
+    assert (tmp_path / "taken.txt").read_text() == first  # the earlier log is untouched
+
+
+def test_log_dir_that_is_a_file(corpus, tmp_path, capsys):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("x")
+    result, code, err = run_main(tiny(corpus, blocker / "logs"), capsys)
+    one_line_error(code, err, "not_a_folder")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_read_only_log_dir(corpus, tmp_path, capsys):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    result, code, err = run_main(tiny(corpus, folder), capsys)
+    one_line_error(code, err, str(folder), "Permission denied")
+
+
+def test_non_finite_validation_loss_fails_the_run(corpus, tmp_path, capsys, monkeypatch):
+    real = tg.chunked_softcap_cross_entropy
+
+    def nan_in_eval(x, weight, targets, training, use_fp8):
+        loss = real(x, weight, targets, training, use_fp8)
+        return loss if training else loss * float("nan")
+
+    monkeypatch.setattr(tg, "chunked_softcap_cross_entropy", nan_in_eval)
+    result, code, err = run_main(tiny(corpus, tmp_path), capsys)
+    one_line_error(code, err, "validation loss is nan")
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module")
+def checkpoint(corpus, tmp_path_factory):
+    """A checkpoint at step 2 of the tiny 4-step run."""
+    log_dir = tmp_path_factory.mktemp("ckpt")
+    argv = tiny(corpus, log_dir, "--save_every", "2", "--run_id", "src")
+    assert tg.main(argv)
+    return log_dir / "checkpoints" / "src" / "step_000002.pt"
+
+
+@pytest.mark.parametrize("extra,needles", [
+    (["--num_layers", "10"], ["--num_layers 9", "--num_layers 10"]),
+    (["--model_dim", "128", "--num_heads", "2", "--head_dim", "64"], ["--model_dim 64", "--model_dim 128"]),
+    (["--batch_sizes", "1024", "1024", "1024"], ["--batch_sizes 512 512 512", "--batch_sizes 1024 1024 1024", "--force"]),
+    (["--muon_lr", "0.05"], ["--muon_lr 0.023", "--muon_lr 0.05", "--force"]),
+    (["--num_scheduled_iterations", "1"], ["at step 2, past this run's last step 1"]),
+])
+def test_resume_refuses_what_it_cannot_continue(corpus, tmp_path, capsys, checkpoint, extra, needles):
+    result, code, err = run_main([*tiny(corpus, tmp_path), "--resume", checkpoint, *extra], capsys)
+    one_line_error(code, err, str(checkpoint), *needles)
+
+
+def test_resume_with_changed_schedule_and_force(corpus, tmp_path, capsys, checkpoint):
+    result, code, err = run_main([*tiny(corpus, tmp_path), "--resume", checkpoint, "--muon_lr", "0.05",
+                                  "--force", "true"], capsys)
+    assert code == 0 and [s for s, _ in result] == [4], err
+
+
+def test_resume_at_the_last_step_still_validates(corpus, tmp_path, capsys, checkpoint):
+    """A checkpoint at the run's last step resumes into the final validation only."""
+    result, code, err = run_main([*tiny(corpus, tmp_path), "--resume", checkpoint, "--num_scheduled_iterations", "2",
+                                  "--force", "true"], capsys)
+    assert code == 0 and [s for s, _ in result] == [2], err
+
+
+def test_resume_cleans_temp_files_of_killed_writes(corpus, tmp_path, capsys, checkpoint):
+    folder = tmp_path / "ckpts"
+    shutil.copytree(checkpoint.parent, folder)
+    host = tg.platform.node()
+    dead = folder / f".step_000004.pt~{host}~999999999~dead.tmp"  # no such process
+    live = folder / f".step_000004.pt~{host}~{os.getpid()}~live.tmp"  # a write still running
+    other = folder / f".step_000004.pt~another-host~1~far.tmp"  # cannot tell: left alone
+    for p in (dead, live, other):
+        p.write_bytes(b"partial")
+    result, code, err = run_main([*tiny(corpus, tmp_path), "--resume", folder / checkpoint.name], capsys)
+    assert code == 0, err
+    assert not dead.exists() and live.exists() and other.exists()
+
+
+def test_failed_periodic_checkpoint_warns_and_training_goes_on(corpus, tmp_path, capsys, monkeypatch):
+    real = tg.write_atomically
+
+    def full_disk(path, data):
+        if path.name != "step_000002.pt":
+            return real(path, data)
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(tg, "write_atomically", full_disk)
+    result, code, err = run_main([*tiny(corpus, tmp_path, "--save_every", "2", "--save_checkpoint", "true",
+                                       "--run_id", "disk")], capsys)
+    assert code == 0 and [s for s, _ in result] == [4], err
+    log = (tmp_path / "disk.txt").read_text()
+    assert "warning: could not write checkpoint" in log and "No space left on device" in log
+    folder = tmp_path / "checkpoints" / "disk"
+    assert sorted(p.name for p in folder.iterdir()) == ["final.pt"]  # no partial file, no temp file
+
+
+def test_failed_final_checkpoint_fails_the_run(corpus, tmp_path, capsys, monkeypatch):
+    def full_disk(path, data):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(tg, "write_atomically", full_disk)
+    result, code, err = run_main([*tiny(corpus, tmp_path, "--save_checkpoint", "true")], capsys)
+    one_line_error(code, err, "final.pt", "No space left on device")

@@ -1,0 +1,100 @@
+"""No host-device synchronization inside a training step (besides the designed, one-step-late
+non-finite check, which is outside train_step). Counted on CPU with tools/gpu_smoke.py's SyncCounter,
+which records the operations that would make the host wait on CUDA; tools/gpu_smoke.sh measures the
+same on a GPU with CUDA's sync debug mode.
+
+Documented count for one train_step: 0 on the GPU path. On the CPU path, 2 per micro-step: the tiled
+SDPA attention (a CPU fallback) reads its short and long window on the host to size its tiles; the
+GPU path's forward is traced with fullgraph=True (tests/test_compile_trace.py), where any such read
+would be a graph break."""
+import importlib.util
+import subprocess
+
+import pytest
+import torch
+
+import train_gpt as tg
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "tools" / "gpu_smoke.py")
+gpu_smoke = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_smoke)
+SyncCounter = gpu_smoke.SyncCounter
+
+
+def test_counter_sees_each_kind_of_sync():
+    """Positive control: every kind the counter claims to catch is caught, plain math is not."""
+    x = torch.arange(6.0)
+    with SyncCounter() as counter:
+        x * 2 + 1  # noqa: B018 - plain device work: nothing
+    assert counter.events == []
+    with SyncCounter() as counter:
+        x.sum().item()
+        float(x[0])
+        torch.tensor(0.5)
+        x[[0, 2]]
+        x[x > 2]
+        x.nonzero()
+    kinds = counter.summary()
+    assert counter.events.count("host read (.item/.tolist/float)") == 2, kinds
+    assert "tensor from Python data" in kinds and "boolean-mask indexing" in kinds, kinds
+    assert "data-dependent size (aten.nonzero.default)" in kinds, kinds
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    folder = tmp_path / "corpus"
+    tg.synthetic_corpus(folder, train_tokens=60_000, val_tokens=8_192)
+    threads = torch.get_num_threads()
+    argv = ["--preset", "cpu", "--device", "cpu", "--batch_sizes", "512", "512", "512", "--grad_accum_base", "2",
+            "--val_tokens", "1024", "--val_batch_size", "512", "--max_seq_len", "256", "--window_blocks", "2", "2", "2",
+            "--extension_window_blocks", "2", "--final_val_window_blocks", "3", "--num_layers", "9",
+            "--model_dim", "64", "--num_heads", "2", "--head_dim", "32", "--window_block_tokens", "64",
+            "--cpu_threads", "1", "--warmup_steps", "0", "--num_scheduled_iterations", "6", "--fp8", "on",
+            "--num_extension_iterations", "0", "--log_dir", str(tmp_path / "logs"),
+            "--train_files", str(folder / "synthetic_train_*.bin"), "--val_files", str(folder / "synthetic_val_*.bin")]
+    trainer = tg.Trainer(tg.parse_args(argv), argv)
+    yield trainer
+    trainer.loader.close()
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("step", [0, 1], ids=["normuon-only step", "adam step"])
+def test_train_step_has_no_host_syncs_besides_the_cpu_attention(trainer, step):
+    trainer.train_step(0)  # the first step allocates optimizer state; count a steady-state step
+    with SyncCounter() as counter:
+        trainer.train_step(step + 2)
+    assert trainer.accum == 2  # two micro-steps: the NorMuon hooks start the reductions on the last
+    host_reads = counter.events.count("host read (.item/.tolist/float)")
+    assert host_reads == 2 * trainer.accum, counter.summary()  # the tiled attention's two windows
+    assert len(counter.syncs()) == host_reads, counter.summary()  # and nothing else
+    assert len(counter.events) - host_reads == 3 * trainer.accum  # inputs, targets, cu_seqlens per micro-step
+
+
+def test_the_count_would_catch_a_sync_in_the_optimizer(trainer, monkeypatch):
+    """The same step with one .item() slipped into DistAdam is counted (the test has power)."""
+    real = tg.DistAdam._adam_update
+
+    def with_item(self, group, grad, weight, p):
+        grad.abs().max().item()
+        return real(self, group, grad, weight, p)
+
+    monkeypatch.setattr(tg.DistAdam, "_adam_update", with_item)
+    trainer.train_step(0)
+    with SyncCounter() as counter:
+        trainer.train_step(1)  # an Adam step: one read per DistAdam parameter group (5)
+    assert counter.events.count("host read (.item/.tolist/float)") == 2 * trainer.accum + 5, counter.summary()
+    assert len(counter.syncs()) == 2 * trainer.accum + 5
+
+
+@pytest.mark.slow
+def test_gpu_smoke_script_dry_run():
+    """tools/gpu_smoke.sh --dry-run: every check runs at toy sizes on CPU and none fails."""
+    result = subprocess.run(["bash", str(ROOT / "tools" / "gpu_smoke.sh"), "--dry-run"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    checks = [line for line in result.stdout.splitlines() if line.split(" ", 1)[0] in ("PASS", "FAIL", "SKIP")]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    names = {line.split()[1].rstrip(":") for line in checks}
+    assert {"versions", "fp8_head", "compiles_in_timed_loop", "host_syncs_per_step", "compiled_vs_eager",
+            "overall"} <= names, checks
+    assert not [line for line in checks if line.startswith("FAIL")]
