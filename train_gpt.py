@@ -233,6 +233,8 @@ def check_hyperparameters(hp):
         raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
     if hp.device not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"--device must be auto, cuda or cpu, got {hp.device!r}")
+    if hp.fp8 == "on" and hp.device == "cpu":
+        raise ConfigError("--fp8 on needs a CUDA device (the CPU path has no FP8 head); use --fp8 auto or off")
     if hp.fp8 not in ("auto", "on", "off"):
         raise ConfigError(f"--fp8 must be auto, on or off, got {hp.fp8!r}")
     if hp.profile and not _parse_profile_range(hp.profile):
@@ -445,9 +447,11 @@ class TrainLoader:
         if not self.files:
             raise DataError(f"no training shards match {pattern!r}; download them with "
                             f"`python data/cached_fineweb10B.py` or pass --train_files")
+        self.shard_tokens = []
         for path in self.files:  # every file readable, with a sound header and some tokens, before the first step
             read_shard(path, max_tokens=0)
-            if os.path.getsize(path) == SHARD_HEADER_INTS * 4:
+            self.shard_tokens.append((os.path.getsize(path) - SHARD_HEADER_INTS * 4) // 2)
+            if self.shard_tokens[-1] == 0:
                 raise DataError(f"{path}: the shard holds no tokens (a header only); remove it or re-tokenize")
         self.rank, self.world_size, self.device, self.cycle = rank, world_size, device, cycle
         self.vocab_size = vocab_size  # token ids are checked against it as each shard is read
@@ -1100,6 +1104,8 @@ def use_cpu_fallbacks(model):
 def build_model(hp, world_size, device):
     """The model on `device`: the GPU paths (bf16 embeddings and gates as in the reference, FP8 head
     where supported or forced) on CUDA, the CPU fallbacks (fp32) on a CPU."""
+    if hp.fp8 == "on" and device.type == "cpu":
+        raise ConfigError("--fp8 on needs a CUDA device (the CPU path has no FP8 head); use --fp8 auto or off")
     model = GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, world_size,
                 hp.window_block_tokens).to(device)
     if device.type != "cuda":
@@ -1713,6 +1719,8 @@ def apply_schedule(step, hp, model, *optimizers):
 
 SEPARATOR = "=" * 100
 CHECKPOINT_MAGIC = b"SPEEDRUN-CKPT-1\n"
+CHECKPOINT_KEYS = {"step", "training_time_ms", "tokens_seen", "model", "muon", "adam", "loader", "rng", "script_sha256",
+                   "world_size", "hyperparameters"}
 # Dense bf16 peak FLOP/s assumed for MFU (vendor figures, no sparsity), by device-name substring.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
 
@@ -1786,7 +1794,14 @@ def load_checkpoint(path):
     digest, data = raw[len(CHECKPOINT_MAGIC): header_len - 1].decode(), raw[header_len:]
     if hashlib.sha256(data).hexdigest() != digest:
         raise DataError(f"{path}: checkpoint is corrupt or truncated (checksum mismatch); resume from an earlier one")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    try:
+        snap = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as e:  # a sound file whose contents this torch cannot read
+        raise DataError(f"{path}: cannot load the checkpoint ({type(e).__name__}); it may come from another torch version")
+    missing = CHECKPOINT_KEYS - set(snap) if isinstance(snap, dict) else CHECKPOINT_KEYS
+    if missing:
+        raise DataError(f"{path}: not a checkpoint of this trainer (missing {', '.join(sorted(missing))})")
+    return snap
 
 
 def setup_distributed(hp):
@@ -1886,6 +1901,11 @@ class Trainer:
             self.val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
             self.loader = TrainLoader(train_pattern, self.rank, self.world_size, self.device, hp.cycle_data,
                                       vocab_size=hp.vocab_size)
+            per_micro_step = max(hp.batch_sizes) // self.accum + self.world_size  # one micro-step comes from one shard
+            if per_micro_step > max(self.loader.shard_tokens):
+                raise DataError(f"--batch_sizes {max(hp.batch_sizes)} takes {per_micro_step} tokens per micro-step from one "
+                                f"shard, but the largest training shard holds {max(self.loader.shard_tokens)}; use "
+                                f"smaller batches or larger shards")
             self.resume_from = load_checkpoint(hp.resume) if hp.resume else None
         torch.manual_seed(hp.seed)
         self.model = build_model(hp, self.world_size, self.device)

@@ -93,6 +93,8 @@ BAD_FLAGS = [
     (["--run_id", "../elsewhere"], "--run_id"),
     (["--extension_window_blocks", "1"], "--extension_window_blocks"),
     (["--window_blocks", "2", "1", "2"], "--window_blocks"),
+    (["--fp8", "on", "--device", "cpu"], "--fp8 on"),
+    (["--device", "tpu"], "--device"),
 ]
 
 
@@ -313,3 +315,34 @@ def test_failed_final_checkpoint_fails_the_run(corpus, tmp_path, capsys, monkeyp
     monkeypatch.setattr(tg, "write_atomically", full_disk)
     result, code, err = run_main([*tiny(corpus, tmp_path, "--save_checkpoint", "true")], capsys)
     one_line_error(code, err, "final.pt", "No space left on device")
+
+
+def test_batch_larger_than_any_shard_is_reported_before_training(corpus, tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    result, code, err = run_main([*tiny(corpus, log_dir), "--batch_sizes", "512", "512", "100000"], capsys)
+    one_line_error(code, err, "--batch_sizes 100000", "largest training shard holds 60000")
+    no_training_happened(log_dir)
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"not a checkpoint at all", "not a speedrun checkpoint"),
+    ("sound-but-garbage", "cannot load the checkpoint"),
+    ("sound-but-foreign", "not a checkpoint of this trainer (missing"),
+])
+def test_resume_refuses_files_that_are_not_our_checkpoints(corpus, tmp_path, capsys, content, needle):
+    path = tmp_path / "x.pt"
+    if content == "sound-but-garbage":  # right header and checksum around bytes torch cannot read
+        data = b"garbage"
+        path.write_bytes(tg.CHECKPOINT_MAGIC + tg.hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
+    elif content == "sound-but-foreign":  # a valid checkpoint file of something else
+        tg.save_checkpoint(path, {"weights": torch.zeros(3)})
+    else:
+        path.write_bytes(content)
+    result, code, err = run_main([*tiny(corpus, tmp_path / "logs"), "--resume", path], capsys)
+    one_line_error(code, err, str(path), needle)
+
+
+def test_resume_of_a_directory_or_missing_file(corpus, tmp_path, capsys):
+    for target in (tmp_path, tmp_path / "missing.pt"):
+        result, code, err = run_main([*tiny(corpus, tmp_path / "logs"), "--resume", target], capsys)
+        one_line_error(code, err, str(target), "cannot read checkpoint")
