@@ -486,7 +486,11 @@ class TrainLoader:
         return dict(shard=self.shard, cursor=self.cursor, epoch=self.epoch, files=self.files)
 
     def load_state_dict(self, state):
-        if state["files"] != self.files:
+        """Continue where the state was taken. The position (shard, BOS cursor) is that of the global
+        walk over documents, which every rank computes, so it holds at any world size: the next batch
+        starts at the first document no rank has trained on. Shards are matched by file name, so the
+        data may live elsewhere (another node, another DATA_PATH)."""
+        if [Path(f).name for f in state["files"]] != [Path(f).name for f in self.files]:
             raise DataError("the training shards differ from those of the checkpoint; pass the same --train_files")
         self.reset(state["shard"], state["cursor"], state["epoch"])
 
@@ -1598,9 +1602,18 @@ class DistAdam:
             raise ValueError("DistAdam state does not match the parameters of this model")
         for group, entry in zip(self.param_groups, state["groups"]):
             group["step"] = entry["step"]
-            device = group["params"][0].device
+            p = group["params"][0]
             for key in ("exp_avg", "exp_avg_sq"):
-                group[key] = None if entry[key] is None else self._slice(entry[key]).to(device).clone()
+                # the scalars' padding follows the world size: its (zero) moments are cut or extended
+                full = None if entry[key] is None else fit_length(entry[key], p.shape[0], 0.0)
+                group[key] = None if full is None else self._slice(full).to(p.device).clone()
+
+
+def fit_length(t, length, fill):
+    """t cut or extended (with `fill`) along dim 0 to `length` rows."""
+    if t.shape[0] >= length:
+        return t[:length]
+    return torch.cat([t, t.new_full((length - t.shape[0], *t.shape[1:]), fill)])
 
 
 def split_params_for_optimizers(model):
@@ -1980,7 +1993,9 @@ class Trainer:
             script_sha256=script_sha256(), world_size=self.world_size, hyperparameters=dataclasses.asdict(self.hp))
 
     def restore(self, snap):
-        self.model.load_state_dict(snap["model"])
+        model_state = dict(snap["model"])  # the scalars' padding (ones, never trained) follows the world size
+        model_state["scalars"] = fit_length(model_state["scalars"], self.model.scalars.numel(), 1.0)
+        self.model.load_state_dict(model_state)
         self.muon.load_state_dict(snap["muon"])
         self.adam.load_state_dict(snap["adam"])
         self.loader.load_state_dict(snap["loader"])
@@ -1998,7 +2013,9 @@ class Trainer:
         if stale:
             self.log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in {Path(path).parent}")
         self.restore(snap)
-        self.log(f"resumed from {path} at step {self.step}")
+        moved = f" (written by {snap['world_size']} processes, continued on {self.world_size})" \
+            if snap["world_size"] != self.world_size else ""
+        self.log(f"resumed from {path} at step {self.step}{moved}")
 
     def check_resumable(self, path, snap):
         """Refuse, in one line, a checkpoint this run cannot continue faithfully."""
@@ -2010,8 +2027,6 @@ class Trainer:
         if snap["step"] > self.total_steps:
             raise ConfigError(f"{path} is at step {snap['step']}, past this run's last step {self.total_steps}; "
                               f"resume an earlier checkpoint or lengthen the run")
-        if snap["world_size"] != self.world_size:
-            raise ConfigError(f"{path} was written with {snap['world_size']} processes; resume with the same number")
         if self.hp.force:
             return
         if snap["script_sha256"] != script_sha256():
