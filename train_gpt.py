@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import glob
 import hashlib
+import heapq
 import io
 import json
 import math
@@ -92,6 +93,27 @@ class Hyperparameters:
     adam_betas: tuple = hp_field((0.65, 0.95), "DistAdam betas")
     adam_eps: float = hp_field(1e-8, "DistAdam epsilon")
     adam_wd: float = hp_field(0.005, "DistAdam cautious weight decay")
+    # the optimizer of the hidden matrices and gates (track 3: the optimizer race); DistAdam keeps the rest
+    matrix_optimizer: str = hp_field("normuon", "optimizer of the hidden matrices and gates: normuon, shampoo, soap, adamw")
+    shampoo_lr: float = hp_field(0.0015, "Shampoo learning rate")
+    shampoo_betas: tuple = hp_field((0.9, 0.95), "Shampoo momentum and factor decay")
+    shampoo_wd: float = hp_field(0.2, "Shampoo decoupled weight decay")
+    shampoo_eps: float = hp_field(1e-12, "Shampoo epsilon added to the factors' eigenvalues")
+    shampoo_precondition_frequency: int = hp_field(5, "Shampoo: steps between inverse-root refreshes")
+    shampoo_graft_beta2: float = hp_field(0.95, "Shampoo: second-moment decay of the Adam grafting")
+    shampoo_graft_eps: float = hp_field(1e-10, "Shampoo: epsilon of the Adam grafting")
+    shampoo_max_dim: int = hp_field(8192, "Shampoo and SOAP: largest preconditioner dimension (blocks are cut to it)")
+    shampoo_state_dtype: str = hp_field("fp32", "Shampoo and SOAP: dtype of the stored factors and roots/bases: fp32, bf16")
+    shampoo_cost: str = hp_field("bytes", "Shampoo and SOAP: block cost for the rank assignment: bytes, poly")
+    soap_lr: float = hp_field(0.003, "SOAP learning rate")
+    soap_betas: tuple = hp_field((0.95, 0.95), "SOAP momentum and second-moment/factor decay")
+    soap_wd: float = hp_field(0.01, "SOAP decoupled weight decay")
+    soap_eps: float = hp_field(1e-8, "SOAP epsilon")
+    soap_precondition_frequency: int = hp_field(10, "SOAP: steps between eigenbasis refreshes")
+    adamw_lr: float = hp_field(0.0015, "AdamW learning rate (as the matrix optimizer)")
+    adamw_betas: tuple = hp_field((0.9, 0.95), "AdamW betas")
+    adamw_wd: float = hp_field(0.1, "AdamW decoupled weight decay")
+    adamw_eps: float = hp_field(1e-8, "AdamW epsilon")
     # run
     seed: int = hp_field(0, "random seed for initialization")
     val_loss_every: int = hp_field(250, "validate every N steps and at the end (0: only at the end)")
@@ -184,16 +206,21 @@ def parse_args(argv=None):
     return hp
 
 
+MATRIX_OPTIMIZERS = ("normuon", "shampoo", "soap", "adamw")
+
 # (flags, test, what the test means): applied to every value of a tuple flag
 VALUE_RULES = [
     (("val_tokens", "val_batch_size", "vocab_size", "num_layers", "num_heads", "head_dim", "model_dim",
       "num_scheduled_iterations", "batch_sizes", "max_seq_len", "grad_accum_base", "window_block_tokens",
-      "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps"), lambda v: v > 0, "must be positive"),
+      "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "shampoo_lr", "shampoo_graft_eps",
+      "shampoo_precondition_frequency", "shampoo_max_dim", "soap_lr", "soap_eps", "soap_precondition_frequency",
+      "adamw_lr", "adamw_eps"), lambda v: v > 0, "must be positive"),
     (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads",
       "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd", "adam_wd", "lr_multipliers",
-      "final_lr_multiplier"), lambda v: v >= 0, "must be >= 0"),
+      "final_lr_multiplier", "shampoo_wd", "shampoo_eps", "soap_wd", "adamw_wd"), lambda v: v >= 0, "must be >= 0"),
     (("window_blocks", "extension_window_blocks"), lambda v: v >= 2, "must be at least 2 (short window = long // 2 blocks)"),
-    (("muon_momentum", "muon_beta2", "adam_betas"), lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    (("muon_momentum", "muon_beta2", "adam_betas", "shampoo_betas", "shampoo_graft_beta2", "soap_betas", "adamw_betas"),
+     lambda v: 0 <= v < 1, "must be in [0, 1)"),
     (("cooldown_frac",), lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     (("seed",), lambda v: 0 <= v < 2 ** 63, "must be in [0, 2^63)"),
 ]
@@ -231,8 +258,10 @@ def check_hyperparameters(hp):
                           f"x --window_block_tokens) exceeds --max_seq_len {hp.max_seq_len}; shrink the window")
     if hp.save_every % 2:
         raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
-    if hp.device not in ("auto", "cuda", "cpu"):
-        raise ConfigError(f"--device must be auto, cuda or cpu, got {hp.device!r}")
+    for name, choices in (("device", ("auto", "cuda", "cpu")), ("matrix_optimizer", MATRIX_OPTIMIZERS),
+                          ("shampoo_state_dtype", ("fp32", "bf16")), ("shampoo_cost", ("bytes", "poly"))):
+        if getattr(hp, name) not in choices:
+            raise ConfigError(f"--{name} must be one of {', '.join(choices)}, got {getattr(hp, name)!r}")
     if hp.fp8 == "on" and hp.device == "cpu":
         raise ConfigError("--fp8 on needs a CUDA device (the CPU path has no FP8 head); use --fp8 auto or off")
     if hp.fp8 not in ("auto", "on", "off"):
@@ -1312,19 +1341,8 @@ class NorMuon:
         self.polar = polar
         self.sync_grads = False
         params = list(params)
-        by_shape = {}
-        for p in params:
-            by_shape.setdefault(tuple(p.shape), []).append(p)
-        self.param_groups = []
-        for shape, same_shape in sorted(by_shape.items(), key=lambda kv: math.prod(kv[0]) * len(kv[1])):
-            same_shape = sorted(same_shape, key=lambda q: q.label)  # stable: keeps model order per label
-            if any((q.label == "gate") != (same_shape[0].label == "gate") for q in same_shape):
-                raise ValueError(f"NorMuon: gates and matrices share the shape {shape}; give them different shapes")
-            parts = 2 if len(same_shape) >= 2 * self.world_size else 1
-            chunk = -(-len(same_shape) // (parts * self.world_size))
-            for start in range(0, len(same_shape), chunk * self.world_size):
-                self.param_groups.append(self._group(same_shape[start: start + chunk * self.world_size], lr,
-                                                     weight_decay, momentum, beta2))
+        self.param_groups = [self._group(stack, lr, weight_decay, momentum, beta2)
+                             for stack in stacked_groups(params, self.world_size)]
         self._order = {p: index for index, p in enumerate(params)}  # the state_dict's layout
         self._group_of = {p: index for index, group in enumerate(self.param_groups) for p in group["params"]}
         self._ready = [0] * len(self.param_groups)
@@ -1437,15 +1455,16 @@ class NorMuon:
         same at any world size or grouping. Identical on every rank; collective when distributed."""
         state = {key: [None] * len(self._order) for key in ("momentum_buffer", "second_moment")}
         for group in self.param_groups:
-            for key in state:
+            for key in ("momentum_buffer", "second_moment"):
                 if group[key] is not None:
                     full = gather_chunks(group[key], self.world_size)
                     for p, value in zip(group["params"], full):  # zip stops before the padding
                         state[key][self._order[p]] = value.cpu().clone()
-        return state
+        return {"name": "normuon", **state}
 
     def load_state_dict(self, state):
-        if any(len(values) != len(self._order) for values in state.values()):
+        if state.get("name") != "normuon" or any(len(state[key]) != len(self._order)
+                                                 for key in ("momentum_buffer", "second_moment")):
             raise ValueError("NorMuon state does not match the parameters of this model")
         for group in self.param_groups:
             start, stop, n_real = self._owned(group)
@@ -1458,6 +1477,24 @@ class NorMuon:
                 for i, value in enumerate(values[start: start + n_real]):
                     local[i] = value
                 group[key] = local
+
+
+def stacked_groups(params, world_size):
+    """NorMuon's communication groups: parameters of one shape (sorted by label), split in two when
+    each rank can still own one of each half; smallest groups first. Each group is stacked, padded to
+    a multiple of the world size and cut into equal per-rank chunks."""
+    by_shape = {}
+    for p in params:
+        by_shape.setdefault(tuple(p.shape), []).append(p)
+    groups = []
+    for shape, same_shape in sorted(by_shape.items(), key=lambda kv: math.prod(kv[0]) * len(kv[1])):
+        same_shape = sorted(same_shape, key=lambda q: q.label)  # stable: keeps model order per label
+        if any((q.label == "gate") != (same_shape[0].label == "gate") for q in same_shape):
+            raise ValueError(f"NorMuon: gates and matrices share the shape {shape}; give them different shapes")
+        parts = 2 if len(same_shape) >= 2 * world_size else 1
+        chunk = -(-len(same_shape) // (parts * world_size))
+        groups += [same_shape[start: start + chunk * world_size] for start in range(0, len(same_shape), chunk * world_size)]
+    return groups
 
 
 def gather_chunks(local, world_size):
@@ -1616,6 +1653,306 @@ def fit_length(t, length, fill):
     return torch.cat([t, t.new_full((length - t.shape[0], *t.shape[1:]), fill)])
 
 
+# Track 3: block-wise matrix optimizers for --matrix_optimizer (Shampoo, SOAP, AdamW). Each parameter
+# is cut into blocks (the merged attention weight into Q, K, V and O first); blocks go to ranks by a
+# greedy heaviest-first assignment over a cost model; one reduce-scatter brings each rank the
+# gradients of its blocks, one all-gather brings everyone the updated blocks.
+
+
+def merge_dims(shape, max_dim, target=1):
+    """Drop size-1 dimensions, then merge neighbours from the right while the product stays within
+    max_dim and at least `target` dimensions remain: (1, 2, 5, 1) -> (10,); (32, 3, 64, 64) with
+    max_dim 8192 and target 2 -> (96, 4096)."""
+    dims = [d for d in shape if d > 1] or [1]
+    merged = [dims[-1]]
+    for i in range(len(dims) - 2, -1, -1):  # i dimensions are still to the left of this one
+        if dims[i] * merged[0] <= max_dim and i + len(merged) >= target:
+            merged[0] *= dims[i]
+        else:
+            merged.insert(0, dims[i])
+    return tuple(merged)
+
+
+def split_dims(shape, max_dim):
+    """Blocks of at most max_dim along every dimension: a list of per-dimension slices per block
+    (5 x 3 split by 2 -> 3 x 2 = 6 blocks)."""
+    per_dim = [[slice(start, min(start + max_dim, size)) for start in range(0, size, max_dim)] for size in shape]
+    blocks = [[]]
+    for options in per_dim:
+        blocks = [block + [s] for block in blocks for s in options]
+    return [tuple(block) for block in blocks]
+
+
+def block_cost(shape, model):
+    """Relative work and memory of a block's preconditioner. 'bytes': its factor matrices in fp32, each
+    side aligned to 8; 'poly': eigendecompositions (d^3 per side) plus applying them (numel x sum d)."""
+    if model == "bytes":
+        return sum(4 * (-(-d // 8) * 8) ** 2 for d in shape)
+    return sum(d ** 3 for d in shape) + math.prod(shape) * sum(shape)
+
+
+def assign_blocks(costs, numels, world_size, capacity=None):
+    """Greedy, heaviest block first, to the rank with the least cost so far whose gradient elements
+    stay within `capacity` (else to the rank with the fewest elements). Returns each block's rank."""
+    owner = [0] * len(costs)
+    heap = [(0.0, rank) for rank in range(world_size)]
+    elements = [0] * world_size
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        skipped = []
+        while heap:
+            load, rank = heapq.heappop(heap)
+            if capacity is None or elements[rank] + numels[i] <= capacity:
+                break
+            skipped.append((load, rank))
+        else:  # nobody has room: the least-filled rank takes it (more padding)
+            rank = min(range(world_size), key=lambda r: elements[r])
+            load = next(l for l, r in skipped if r == rank)
+            skipped.remove((load, rank))
+        owner[i] = rank
+        elements[rank] += numels[i]
+        for item in skipped + [(load + costs[i], rank)]:
+            heapq.heappush(heap, item)
+    return owner
+
+
+def inverse_root(matrix, root, eps):
+    """(matrix + eps I)^(-1/root) of a symmetric PSD matrix via its eigendecomposition in fp32,
+    retried in fp64 when fp32 fails to converge."""
+    try:
+        values, vectors = torch.linalg.eigh(matrix.float())
+    except torch.linalg.LinAlgError:
+        values, vectors = (t.float() for t in torch.linalg.eigh(matrix.double()))
+    scale = (values.clamp_min(0) + eps).pow(-1 / root)
+    return (vectors * scale) @ vectors.T
+
+
+def gram(grad, side):
+    """G Gᵀ (side 0) or Gᵀ G (side 1) of a 2-D block; g gᵀ of a 1-D one."""
+    if grad.ndim == 1:
+        return torch.outer(grad, grad)
+    return grad @ grad.T if side == 0 else grad.T @ grad
+
+
+def eigenbasis(matrix):
+    """Eigenvectors of a symmetric matrix (fp32, retried in fp64 when fp32 fails to converge)."""
+    try:
+        return torch.linalg.eigh(matrix.float())[1]
+    except torch.linalg.LinAlgError:
+        return torch.linalg.eigh(matrix.double())[1].float()
+
+
+@dataclass(frozen=True)
+class ParamBlock:
+    param: int  # index into the optimizer's parameters
+    rows: slice  # the piece of the parameter (a Q/K/V/O quarter of the attention weight, or all of it)
+    shape: tuple  # the piece viewed with merged dimensions
+    index: tuple  # the block within that view
+    numel: int
+
+    def of(self, tensor):
+        """The block as a view of `tensor` (the parameter or its gradient)."""
+        return tensor[self.rows].view(self.shape)[self.index]
+
+
+class BlockOptimizer:
+    """Blocks, their assignment to ranks and the communication of the track-3 optimizers; subclasses
+    define the per-block update (`direction`). Each rank keeps state only for its own blocks."""
+
+    name = "block optimizer"
+
+    def __init__(self, params, lr, betas, weight_decay, max_dim, cost):
+        self.rank, self.world_size = world_info()
+        self.params = list(params)
+        self.sync_grads = False  # (no gradient hooks: the whole step communicates at once)
+        self.param_groups = [dict(params=self.params, lr=lr, initial_lr=lr, betas=betas, weight_decay=weight_decay)]
+        self.blocks = []
+        for index, p in enumerate(self.params):
+            pieces = 4 if p.label == "attn" else 1
+            height = p.shape[0] // pieces
+            for piece in range(pieces):
+                rows = slice(piece * height, (piece + 1) * height)
+                shape = merge_dims((height, *p.shape[1:]), max_dim, target=2)
+                for sub in split_dims(shape, max_dim):
+                    numel = math.prod(s.stop - s.start for s in sub)
+                    self.blocks.append(ParamBlock(index, rows, shape, sub, numel))
+        # no rank receives more gradient elements than NorMuon sends it for the same parameters
+        capacity = sum(-(-len(g) // self.world_size) * g[0].numel() for g in stacked_groups(self.params, self.world_size)) \
+            if self.world_size > 1 else None
+        costs = [block_cost(tuple(s.stop - s.start for s in b.index), cost) for b in self.blocks]
+        owner = assign_blocks(costs, [b.numel for b in self.blocks], self.world_size, capacity)
+        self.rank_blocks = [[i for i, r in enumerate(owner) if r == rank] for rank in range(self.world_size)]
+        self.segment = max(sum(self.blocks[i].numel for i in mine) for mine in self.rank_blocks)
+        self.step_count = 0
+        self.state = {}  # block index -> its tensors (own blocks only)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def _pack(self, get, rank_blocks, dtype):
+        """The blocks' values (get(block) -> tensor) laid out rank after rank, padded to equal segments."""
+        flat = torch.zeros(len(rank_blocks) * self.segment, dtype=dtype, device=self.params[0].device)
+        for rank, mine in enumerate(rank_blocks):
+            offset = rank * self.segment
+            for i in mine:
+                block = self.blocks[i]
+                flat[offset: offset + block.numel] = get(block).reshape(-1)
+                offset += block.numel
+        return flat
+
+    @torch.no_grad()
+    def step(self):
+        self.step_count += 1
+        group = self.param_groups[0]
+        grads = self._pack(lambda b: b.of(self.params[b.param].grad), self.rank_blocks, torch.float32)
+        if self.world_size > 1:
+            local = grads.new_empty(self.segment)
+            dist.reduce_scatter_tensor(local, grads, op=dist.ReduceOp.AVG)
+        else:
+            local = grads
+        mine = self.rank_blocks[self.rank]
+        updated, offset = torch.zeros_like(local), 0
+        for i in mine:
+            block = self.blocks[i]
+            p = self.params[block.param]
+            g = local[offset: offset + block.numel].view(block.of(p).shape)
+            weight = block.of(p).float()
+            new = weight * (1 - group["lr"] * group["weight_decay"]) - group["lr"] * self.direction(i, g)
+            updated[offset: offset + block.numel] = new.reshape(-1)
+            offset += block.numel
+        full = updated
+        if self.world_size > 1:
+            full = updated.new_empty(self.world_size * self.segment)
+            dist.all_gather_into_tensor(full, updated)
+        for rank, blocks in enumerate(self.rank_blocks):
+            offset = rank * self.segment
+            for i in blocks:
+                block = self.blocks[i]
+                target = block.of(self.params[block.param])
+                target.copy_(full[offset: offset + block.numel].view(target.shape))
+                offset += block.numel
+
+    def direction(self, i, grad):
+        raise NotImplementedError
+
+    def state_dict(self):
+        """Every block's state (all ranks' gathered, keyed by block index: the same at any world size)."""
+        state = {i: {k: v.cpu().clone() for k, v in s.items()} for i, s in self.state.items()}
+        if self.world_size > 1:
+            parts = [None] * self.world_size
+            dist.all_gather_object(parts, state)
+            state = {i: s for part in parts for i, s in part.items()}
+        return {"name": self.name, "step": self.step_count, "blocks": state}
+
+    def load_state_dict(self, state):
+        if state.get("name") != self.name or any(i >= len(self.blocks) for i in state["blocks"]):
+            raise ValueError(f"{self.name} state does not match this optimizer and model")
+        self.step_count = state["step"]
+        device = self.params[0].device
+        self.state = {i: {k: v.to(device) for k, v in state["blocks"][i].items()}
+                      for i in self.rank_blocks[self.rank] if i in state["blocks"]}
+
+
+class Shampoo(BlockOptimizer):
+    """Shampoo with Adam grafting: factors L = EMA(G Gᵀ), R = EMA(Gᵀ G) (bias-corrected), inverse roots
+    L^(-1/4), R^(-1/4) refreshed every `precondition_frequency` steps (from the first), momentum on the
+    gradient, the preconditioned direction rescaled per block to the norm of Adam's direction, then
+    decoupled weight decay. A 1-D block has one factor and exponent -1/2."""
+
+    name = "shampoo"
+
+    def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency, graft_beta2, graft_eps,
+                 state_dtype=torch.float32, cost="bytes"):
+        super().__init__(params, lr, betas, weight_decay, max_dim, cost)
+        self.eps, self.frequency, self.state_dtype = eps, precondition_frequency, state_dtype
+        self.graft_beta2, self.graft_eps = graft_beta2, graft_eps
+
+    def direction(self, i, grad):
+        beta1, beta2 = self.param_groups[0]["betas"]
+        t = self.step_count
+        state = self.state.setdefault(i, self._new_state(grad))
+        for d in range(grad.ndim):
+            factor = state[f"factor{d}"].float().mul_(beta2).add_(gram(grad, d), alpha=1 - beta2)
+            state[f"factor{d}"].copy_(factor)
+            if (t - 1) % self.frequency == 0:
+                state[f"root{d}"].copy_(inverse_root(factor / (1 - beta2 ** t), 2 * grad.ndim, self.eps))
+        momentum = state["momentum"].mul_(beta1).add_(grad, alpha=1 - beta1)
+        filtered = momentum / (1 - beta1 ** t)
+        second = state["graft"].mul_(self.graft_beta2).addcmul_(grad, grad, value=1 - self.graft_beta2)
+        adam = filtered / ((second / (1 - self.graft_beta2 ** t)).sqrt_() + self.graft_eps)
+        roots = [state[f"root{d}"].float() for d in range(grad.ndim)]
+        shampoo = roots[0] @ filtered @ roots[1] if grad.ndim == 2 else roots[0] @ filtered
+        return shampoo * (adam.norm() / shampoo.norm().clamp_min(1e-30))
+
+    def _new_state(self, grad):
+        state = dict(momentum=torch.zeros_like(grad), graft=torch.zeros_like(grad))
+        for d, size in enumerate(grad.shape):
+            state[f"factor{d}"] = grad.new_zeros(size, size, dtype=self.state_dtype)
+            state[f"root{d}"] = grad.new_zeros(size, size, dtype=self.state_dtype)
+        return state
+
+
+class SOAP(BlockOptimizer):
+    """SOAP: Adam run in the eigenbasis of Shampoo's factors (refreshed every `precondition_frequency`
+    steps, from the first), with decoupled weight decay. Momentum lives in the parameter's basis,
+    the second moment in the rotated one."""
+
+    name = "soap"
+
+    def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency,
+                 state_dtype=torch.float32, cost="bytes"):
+        super().__init__(params, lr, betas, weight_decay, max_dim, cost)
+        self.eps, self.frequency, self.state_dtype = eps, precondition_frequency, state_dtype
+
+    def direction(self, i, grad):
+        beta1, beta2 = self.param_groups[0]["betas"]
+        t = self.step_count
+        state = self.state.setdefault(i, self._new_state(grad))
+        for d in range(grad.ndim):
+            factor = state[f"factor{d}"].float().mul_(beta2).add_(gram(grad, d), alpha=1 - beta2)
+            state[f"factor{d}"].copy_(factor)
+            if (t - 1) % self.frequency == 0:
+                state[f"basis{d}"].copy_(eigenbasis(factor))
+        bases = [state[f"basis{d}"].float() for d in range(grad.ndim)]
+
+        def rotate(x):
+            return bases[0].T @ x @ bases[1] if x.ndim == 2 else bases[0].T @ x
+
+        def unrotate(x):
+            return bases[0] @ x @ bases[1].T if x.ndim == 2 else bases[0] @ x
+
+        momentum = state["momentum"].mul_(beta1).add_(grad, alpha=1 - beta1)
+        rotated = rotate(grad)
+        second = state["second"].mul_(beta2).addcmul_(rotated, rotated, value=1 - beta2)
+        adam = (rotate(momentum) / (1 - beta1 ** t)) / ((second / (1 - beta2 ** t)).sqrt() + self.eps)
+        return unrotate(adam)
+
+    def _new_state(self, grad):
+        state = dict(momentum=torch.zeros_like(grad), second=torch.zeros_like(grad))
+        for d, size in enumerate(grad.shape):
+            state[f"factor{d}"] = grad.new_zeros(size, size, dtype=self.state_dtype)
+            state[f"basis{d}"] = grad.new_zeros(size, size, dtype=self.state_dtype)
+        return state
+
+
+class AdamW(BlockOptimizer):
+    """AdamW (bias-corrected, decoupled weight decay), the track's baseline; blocks are whole pieces."""
+
+    name = "adamw"
+
+    def __init__(self, params, lr, betas, weight_decay, eps):
+        super().__init__(params, lr, betas, weight_decay, max_dim=2 ** 62, cost="poly")
+        self.eps = eps
+
+    def direction(self, i, grad):
+        beta1, beta2 = self.param_groups[0]["betas"]
+        t = self.step_count
+        state = self.state.setdefault(i, dict(m=torch.zeros_like(grad), v=torch.zeros_like(grad)))
+        m = state["m"].mul_(beta1).add_(grad, alpha=1 - beta1)
+        v = state["v"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        return (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + self.eps)
+
+
 def split_params_for_optimizers(model):
     """NorMuon: hidden matrices and gates. DistAdam, in order: head/embedding, value embeddings, scalars."""
     muon = [p for p in model.parameters() if p.label in ("attn", "mlp", "gate")]
@@ -1627,19 +1964,29 @@ def split_params_for_optimizers(model):
 
 
 def make_optimizers(model, hp):
-    """(NorMuon, DistAdam) for the model's parameters; Polar Express takes the CPU path on a CPU."""
-    muon_params, adam_params = split_params_for_optimizers(model)
-    on_cpu = model.lm_head.weight.device.type == "cpu"
-    muon = NorMuon(muon_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2,
-                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS)
+    """(matrix optimizer, DistAdam) for the model's parameters. The matrix optimizer is NorMuon (the
+    record) or a track-3 alternative; Polar Express takes the CPU path on a CPU."""
+    matrix_params, adam_params = split_params_for_optimizers(model)
     adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd)
-    return muon, adam
+    state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[hp.shampoo_state_dtype]
+    if hp.matrix_optimizer == "shampoo":
+        return Shampoo(matrix_params, hp.shampoo_lr, hp.shampoo_betas, hp.shampoo_wd, hp.shampoo_eps, hp.shampoo_max_dim,
+                       hp.shampoo_precondition_frequency, hp.shampoo_graft_beta2, hp.shampoo_graft_eps, state_dtype,
+                       hp.shampoo_cost), adam
+    if hp.matrix_optimizer == "soap":
+        return SOAP(matrix_params, hp.soap_lr, hp.soap_betas, hp.soap_wd, hp.soap_eps, hp.shampoo_max_dim,
+                    hp.soap_precondition_frequency, state_dtype, hp.shampoo_cost), adam
+    if hp.matrix_optimizer == "adamw":
+        return AdamW(matrix_params, hp.adamw_lr, hp.adamw_betas, hp.adamw_wd, hp.adamw_eps), adam
+    on_cpu = model.lm_head.weight.device.type == "cpu"
+    return NorMuon(matrix_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2,
+                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS), adam
 
 
-def step_optimizers(step, muon, adam):
-    """NorMuon every step; DistAdam on odd steps (its gradients accumulate over two steps)."""
-    muon.step()
-    muon.zero_grad()
+def step_optimizers(step, matrix_opt, adam):
+    """The matrix optimizer every step; DistAdam on odd steps (its gradients accumulate over two steps)."""
+    matrix_opt.step()
+    matrix_opt.zero_grad()
     if adam_steps_at(step):
         adam.step()
         adam.zero_grad()
@@ -1732,7 +2079,7 @@ def apply_schedule(step, hp, model, *optimizers):
 
 SEPARATOR = "=" * 100
 CHECKPOINT_MAGIC = b"SPEEDRUN-CKPT-1\n"
-CHECKPOINT_KEYS = {"step", "training_time_ms", "tokens_seen", "model", "muon", "adam", "loader", "rng", "script_sha256",
+CHECKPOINT_KEYS = {"step", "training_time_ms", "tokens_seen", "model", "matrix", "adam", "loader", "rng", "script_sha256",
                    "world_size", "hyperparameters"}
 # Dense bf16 peak FLOP/s assumed for MFU (vendor figures, no sparsity), by device-name substring.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
@@ -1867,7 +2214,7 @@ def resolve_data(hp, rank):
 RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force", "profile", "cpu_threads",
                      "val_loss_every", "warmup_steps", "device", "compile", "fp8", "seed", "train_files", "val_files",
                      "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size"}
-MODEL_SHAPE_FLAGS = ("vocab_size", "num_layers", "num_heads", "head_dim", "model_dim")
+MODEL_SHAPE_FLAGS = ("vocab_size", "num_layers", "num_heads", "head_dim", "model_dim", "matrix_optimizer")
 
 
 def _flags(values, names):
@@ -1925,7 +2272,7 @@ class Trainer:
         if self.world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.data, 0)
-        self.muon, self.adam = make_optimizers(self.model, hp)
+        self.matrix_opt, self.adam = make_optimizers(self.model, hp)
         self.forward = self.model
         if self.device.type == "cuda" and hp.compile:
             torch._dynamo.config.cache_size_limit = 64
@@ -1947,21 +2294,21 @@ class Trainer:
         optimizers. Returns the step's loss summed over ranks, as a device tensor (reading it waits for
         the GPU); no host-device synchronization happens inside."""
         hp = self.hp
-        batch_size, windows = apply_schedule(step, hp, self.model, self.muon, self.adam)
+        batch_size, windows = apply_schedule(step, hp, self.model, self.matrix_opt, self.adam)
         rank_tokens = tokens_per_rank(batch_size, self.world_size, self.accum)
         self.model.train()
         total = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             inputs, targets, cu_seqlens = self.loader.next_batch(rank_tokens, hp.max_seq_len)
             last = micro == self.accum - 1
-            self.muon.sync_grads = last  # the hooks start each group's reduce-scatter as its gradients are final
+            self.matrix_opt.sync_grads = last  # NorMuon's hooks start each group's reduce-scatter as gradients are final
             self.adam.sync_grads = adam_steps_at(step) and last
             loss = self.forward(inputs, targets, cu_seqlens, self.windows[windows]) / self.accum
             loss.backward()
             total += loss.detach()
         if self.world_size > 1:
             dist.all_reduce(total)  # a non-finite loss on any rank stops every rank at the same step
-        step_optimizers(step, self.muon, self.adam)
+        step_optimizers(step, self.matrix_opt, self.adam)
         self.tokens_seen += rank_tokens * self.accum * self.world_size
         return total
 
@@ -1988,7 +2335,7 @@ class Trainer:
         return dict(
             step=self.step, training_time_ms=self.training_time_ms, tokens_seen=self.tokens_seen,
             model={k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in self.model.state_dict().items()},
-            muon=self.muon.state_dict(), adam=self.adam.state_dict(), loader=self.loader.state_dict(),
+            matrix=self.matrix_opt.state_dict(), adam=self.adam.state_dict(), loader=self.loader.state_dict(),
             rng=dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None),
             script_sha256=script_sha256(), world_size=self.world_size, hyperparameters=dataclasses.asdict(self.hp))
 
@@ -1996,7 +2343,7 @@ class Trainer:
         model_state = dict(snap["model"])  # the scalars' padding (ones, never trained) follows the world size
         model_state["scalars"] = fit_length(model_state["scalars"], self.model.scalars.numel(), 1.0)
         self.model.load_state_dict(model_state)
-        self.muon.load_state_dict(snap["muon"])
+        self.matrix_opt.load_state_dict(snap["matrix"])
         self.adam.load_state_dict(snap["adam"])
         self.loader.load_state_dict(snap["loader"])
         torch.set_rng_state(snap["rng"]["torch"])
@@ -2004,7 +2351,7 @@ class Trainer:
             torch.cuda.set_rng_state_all(snap["rng"]["cuda"])
         self.step, self.training_time_ms = snap["step"], snap["training_time_ms"]
         self.tokens_seen = snap["tokens_seen"]
-        self.muon.zero_grad()
+        self.matrix_opt.zero_grad()
         self.adam.zero_grad()
 
     def resume(self, path, snap):
@@ -2020,10 +2367,11 @@ class Trainer:
     def check_resumable(self, path, snap):
         """Refuse, in one line, a checkpoint this run cannot continue faithfully."""
         ours, theirs = dataclasses.asdict(self.hp), snap["hyperparameters"]
+        theirs = {"matrix_optimizer": "normuon", **theirs}
         shape = [name for name in MODEL_SHAPE_FLAGS if ours[name] != theirs.get(name)]
         if shape:
-            raise ConfigError(f"{path} holds a model with {_flags(theirs, shape)} but this run has {_flags(ours, shape)}; "
-                              f"pass the checkpoint's settings to resume it")
+            raise ConfigError(f"{path} holds a model and optimizer state with {_flags(theirs, shape)} but this run has "
+                              f"{_flags(ours, shape)}; pass the checkpoint's settings to resume it")
         if snap["step"] > self.total_steps:
             raise ConfigError(f"{path} is at step {snap['step']}, past this run's last step {self.total_steps}; "
                               f"resume an earlier checkpoint or lengthen the run")
@@ -2091,7 +2439,7 @@ class Trainer:
         self.clock_start = time.perf_counter()
         for step in range(self.step, self.total_steps + 1):
             last = step == self.total_steps
-            _, windows = apply_schedule(step, hp, self.model, self.muon, self.adam)  # validation sees step s's windows
+            _, windows = apply_schedule(step, hp, self.model, self.matrix_opt, self.adam)  # validation sees step s's windows
             if last or (hp.val_loss_every and step % hp.val_loss_every == 0):
                 with self.clock_paused():
                     val_loss = self.validate(final_window_blocks(hp) if last else windows)

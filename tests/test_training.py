@@ -203,7 +203,7 @@ def test_resume_two_processes_exact(corpus, tmp_path):
 
 def clone_state(trainer):
     return dict(model={k: v.clone() if torch.is_tensor(v) else v for k, v in trainer.model.state_dict().items()},
-                muon=trainer.muon.state_dict(), adam=trainer.adam.state_dict(),
+                muon=trainer.matrix_opt.state_dict(), adam=trainer.adam.state_dict(),
                 loader=trainer.loader.state_dict(), freqs=trainer.model.rotary.freqs.clone(),
                 attn_scale=trainer.model.rotary.attn_scale.clone(), window=trainer.model.rotary.window,
                 step=trainer.step, rng=torch.get_rng_state())
