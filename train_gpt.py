@@ -2,8 +2,8 @@
 
 One file on purpose: records copy it verbatim. The sections follow one batch: configuration ->
 data (shards, the BOS-aligned loader) -> model -> head (FP8 matmul, softcapped loss) -> CPU fallbacks
-(chosen once in build_model) -> optimizers (Polar Express, NorMuon, DistAdam) -> schedules ->
-training loop (Trainer) -> main().
+(chosen once in build_model) -> optimizers (Polar Express, NorMuon, DistAdam) -> track-3 optimizers
+(Shampoo, SOAP, AdamW) and make_optimizers -> schedules -> training loop (Trainer) -> main().
 Run with `./run.sh` (torchrun over all GPUs) or `python train_gpt.py --preset cpu`.
 Importing this module has no side effects; main() runs only under __main__.
 """
@@ -1653,10 +1653,12 @@ def fit_length(t, length, fill):
     return torch.cat([t, t.new_full((length - t.shape[0], *t.shape[1:]), fill)])
 
 
-# Track 3: block-wise matrix optimizers for --matrix_optimizer (Shampoo, SOAP, AdamW). Each parameter
-# is cut into blocks (the merged attention weight into Q, K, V and O first); blocks go to ranks by a
-# greedy heaviest-first assignment over a cost model; one reduce-scatter brings each rank the
-# gradients of its blocks, one all-gather brings everyone the updated blocks.
+# ----------------------------------------------------------------------------------------------
+# Track-3 optimizers for --matrix_optimizer (Shampoo, SOAP, AdamW), and choosing the optimizers
+
+# Each parameter is cut into blocks (the merged attention weight into Q, K, V and O first); blocks go
+# to ranks by a greedy heaviest-first assignment over a cost model; one reduce-scatter brings each
+# rank the gradients of its blocks, one all-gather brings everyone the updated blocks.
 
 
 def merge_dims(shape, max_dim, target=1):

@@ -422,17 +422,20 @@ def stats_report(paths, target: float = DEFAULT_TARGET, alpha: float = DEFAULT_A
     return "\n".join(lines) + "\n"
 
 
-def plot_runs(paths, target: float | None = DEFAULT_TARGET, ylim=None):
-    """Figure with val loss vs train time and vs step, one labelled line per run."""
+def plot_runs(paths, target: float | None = DEFAULT_TARGET, ylim=None, labels=None):
+    """Figure with val loss vs train time and vs step, one labelled line per run (labels: the
+    logs' names, or one given label per run)."""
     from matplotlib.figure import Figure
 
     runs = [parse_log(p) for p in expand(paths)]
+    if labels is not None and len(labels) != len(runs):
+        raise RecordError(f"--labels gives {len(labels)} labels for {len(runs)} runs; give one per run")
     fig = Figure(figsize=(12, 4.5), layout="constrained")
     ax_t, ax_s = fig.subplots(1, 2)
-    for r in runs:
+    for r, label in zip(runs, labels or [r.name for r in runs]):
         t = [ms / 1000 for ms in r.val_times_ms]
-        ax_t.plot(t, r.val_losses, marker=".", label=r.name)
-        ax_s.plot(r.val_steps, r.val_losses, marker=".", label=r.name)
+        ax_t.plot(t, r.val_losses, marker=".", label=label)
+        ax_s.plot(r.val_steps, r.val_losses, marker=".", label=label)
     for ax, xlabel in ((ax_t, "train time (s)"), (ax_s, "step")):
         if target is not None:
             ax.axhline(target, color="gray", linestyle="--", linewidth=0.8, label="_target")
@@ -618,6 +621,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"draw a dashed line at this loss (default {DEFAULT_TARGET})")
     q.add_argument("--ylim", type=float, nargs=2, default=None, metavar=("LO", "HI"),
                    help="val loss axis limits")
+    q.add_argument("--labels", nargs="+", default=None, metavar="LABEL",
+                   help="one legend label per run, in the order of the runs (default: the log names)")
     return p
 
 
@@ -655,7 +660,7 @@ def _run(args, extra) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise RecordError("plot needs matplotlib: pip install matplotlib") from None
-        fig = plot_runs(args.paths, target=args.target, ylim=args.ylim)
+        fig = plot_runs(args.paths, target=args.target, ylim=args.ylim, labels=args.labels)
         try:
             fig.savefig(args.output, dpi=120)
         except (OSError, ValueError) as e:

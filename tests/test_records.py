@@ -325,6 +325,11 @@ def test_plot_one_curve_per_run(tmp_path):
     png = tmp_path / "p.png"
     assert rec.main(["plot", str(d), str(extra), "-o", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # labels of one's own, one per run, in order; a count that does not match is refused
+    fig = rec.plot_runs([d, extra], labels=["a", "b", "c", "d"])
+    assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()] == ["a", "b", "c", "d"]
+    with pytest.raises(rec.RecordError, match="2 labels for 4 runs"):
+        rec.plot_runs([d, extra], labels=["a", "b"])
 
 
 # --------------------------------------------------------------------------- replay: the command
