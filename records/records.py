@@ -277,6 +277,14 @@ class Run:
     def complete(self) -> bool:
         return self.final_step == self.num_steps
 
+    @property
+    def ms_per_step(self) -> float:
+        return self.final_time_ms / self.final_step if self.final_step else float("nan")
+
+    def first_step_at_or_below(self, target: float) -> int | None:
+        """The first validation step whose loss is <= target (None if no step reaches it)."""
+        return next((s for s, loss in zip(self.val_steps, self.val_losses) if loss <= target), None)
+
 
 def parse_log(path) -> Run:
     """Parse a log; errors if it has no separator or no validation line."""
@@ -391,34 +399,65 @@ def summarize(runs: list[Run], target: float = DEFAULT_TARGET) -> dict:
     return out
 
 
-def stats_report(paths, target: float = DEFAULT_TARGET, alpha: float = DEFAULT_ALPHA) -> str:
+def compare(runs: list[Run], baseline: list[Run]) -> dict:
+    """Whether the runs' mean final loss is below the baseline runs' mean: the difference of
+    the means and the one-sided two-sample Welch t-test p-value (unequal variances)."""
+    import numpy as np
+
+    a = np.array([r.final_loss for r in runs], dtype=np.float64)
+    b = np.array([r.final_loss for r in baseline], dtype=np.float64)
+    out = {"n": len(b), "mean_loss": float(b.mean()), "diff": float(a.mean() - b.mean()),
+           "p": float("nan")}
+    if len(a) > 1 and len(b) > 1:
+        from scipy import stats
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = stats.ttest_ind(a, b, equal_var=False, alternative="less")
+        out["p"] = float(res.pvalue)
+    return out
+
+
+def stats_report(paths, target: float = DEFAULT_TARGET, alpha: float = DEFAULT_ALPHA,
+                 against=None) -> str:
+    """The stats table and summary; with `against` (baseline logs or folders) the verdict is
+    the Welch test against those runs instead of the one-sample test against the target."""
     runs = [parse_log(p) for p in expand(paths)]
     s = summarize(runs, target)
     names = [str(r.path) for r in runs]
     steps = [f"{r.final_step}/{r.num_steps}" for r in runs]
+    reached = [str(r.first_step_at_or_below(target) or "-") for r in runs]
     w_name = max(len("log"), *(len(x) for x in names))
     w_step = max(len("step"), *(len(x) for x in steps))
-    head = f"{'log':<{w_name}}  {'step':>{w_step}}  {'val_loss':>8}  {'train_time':>12}"
+    head = (f"{'log':<{w_name}}  {'step':>{w_step}}  {'val_loss':>8}  {'train_time':>12}  "
+            f"{'ms/step':>9}  {'first<=target':>13}")
     lines = [head, "-" * len(head)]
-    for r, name, st in zip(runs, names, steps):
+    for r, name, st, first in zip(runs, names, steps, reached):
         mark = "" if r.complete else "  (incomplete: last val before final step)"
         lines.append(
             f"{name:<{w_name}}  {st:>{w_step}}  {r.final_loss:>8.4f}  "
-            f"{r.final_time_ms / 1000:>11.3f}s{mark}"
+            f"{r.final_time_ms / 1000:>11.3f}s  {_fmt(r.ms_per_step, '9.1f')}  {first:>13}{mark}"
         )
     lines.append(
         f"n={s['n']} mean_loss={s['mean_loss']:.4f} std_loss={_fmt(s['std_loss'], '.4f')} "
         f"p={_fmt_p(s['p'])} (target {target:g}, one-sided t-test) "
         f"mean_time={s['mean_time_s']:.3f}s std_time={_fmt(s['std_time_s'], '.3f')}{'s' if s['n'] > 1 else ''}"
     )
-    if s["n"] < 2:
+    if against:
+        c = compare(runs, [parse_log(p) for p in expand(against)])
+        lines.append(
+            f"against n={c['n']} mean_loss={c['mean_loss']:.4f}: difference {c['diff']:+.4f} "
+            f"p={_fmt_p(c['p'])} (one-sided Welch t-test)"
+        )
+        s, what = c, "below the baseline's mean"
+    else:
+        what = f"below {target:g}"
+    if s["n"] < 2 or len(runs) < 2:
         lines.append("verdict: need at least 2 runs for the t-test")
     else:
         ok = math.isfinite(s["p"]) and s["p"] < alpha
         rel = "<" if ok else "not <"
-        lines.append(
-            f"verdict: {'PASS' if ok else 'FAIL'} (mean loss below {target:g} at p {rel} {alpha:g})"
-        )
+        lines.append(f"verdict: {'PASS' if ok else 'FAIL'} (mean loss {what} at p {rel} {alpha:g})")
     return "\n".join(lines) + "\n"
 
 
@@ -603,10 +642,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="lines of context (default 3)")
 
     q = sub.add_parser("stats", help="final val loss / train time table and t-test",
-                       description="Per-run final val loss and train time, their mean and "
+                       description="Per-run final val loss, train time, ms/step and the first "
+                                   "validation step at or below the target; their mean and "
                                    "sample std, and the one-sided one-sample t-test p-value "
-                                   "that the mean loss is below the target.")
+                                   "that the mean loss is below the target (with --against: "
+                                   "the one-sided Welch t-test p-value that it is below the "
+                                   "baseline runs' mean).")
     q.add_argument("paths", nargs="+", metavar="PATH", help="log files or folders of logs")
+    q.add_argument("--against", nargs="+", default=None, metavar="BASELINE",
+                   help="baseline logs or folders: test the mean loss against theirs")
     q.add_argument("--target", type=float, default=DEFAULT_TARGET,
                    help=f"target val loss (default {DEFAULT_TARGET})")
     q.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
@@ -653,7 +697,8 @@ def _run(args, extra) -> int:
             print("scripts are identical", file=sys.stderr)
         return 0
     if args.cmd == "stats":
-        sys.stdout.write(stats_report(args.paths, target=args.target, alpha=args.alpha))
+        sys.stdout.write(stats_report(args.paths, target=args.target, alpha=args.alpha,
+                                      against=args.against))
         return 0
     if args.cmd == "plot":
         try:

@@ -15,7 +15,7 @@ _spec.loader.exec_module(rec)
 RECORD_DIRS = sorted(p for p in (ROOT / "records").glob("track_*/*") if p.is_dir())
 
 
-TRACKS = {"track_1_short", "track_cpu"}  # records/README.md, "Tracks and rules"
+TRACKS = {"track_1_short", "track_cpu", "track_3_cpu", "track_3"}  # records/README.md, "Tracks and rules"
 TRAIN_TIME_BUDGET_MS = {"track_cpu": 500_000}  # every run's final train_time
 
 
@@ -47,9 +47,13 @@ def test_record_readme_matches_stats(folder, monkeypatch):
     logs = sorted(folder.glob("*.txt"))
     assert len(logs) >= 3, f"{folder}: a record needs at least 3 logs"
     readme = (folder / "README.md").read_text(encoding="utf-8")
-    command = re.search(r"python records/records\.py stats (\S+) --target ([\d.]+)", readme)
+    command = re.search(r"python records/records\.py stats (\S+) --target ([\d.]+)"
+                        r"(?: --against (\S+))?(?: --alpha ([\d.]+))?\n", readme)
     assert command, f"{folder}/README.md must show the stats command it quotes"
     assert (ROOT / command.group(1)).resolve() == folder.resolve()
-    report = rec.stats_report([str(folder.relative_to(ROOT))], target=float(command.group(2)))
+    against = [command.group(3)] if command.group(3) else None
+    alpha = float(command.group(4)) if command.group(4) else rec.DEFAULT_ALPHA
+    report = rec.stats_report([str(folder.relative_to(ROOT))], target=float(command.group(2)),
+                              alpha=alpha, against=against)
     for line in report.splitlines():
         assert line in readme, f"{folder}/README.md does not quote this stats line: {line!r}"

@@ -259,6 +259,44 @@ def test_stats_incomplete_run_flagged(tmp_path, capsys):
     assert "incomplete" in capsys.readouterr().out
 
 
+def test_stats_columns_ms_per_step_and_first_step_at_target(tmp_path, capsys):
+    log = make_log(tmp_path / "a.txt", n=2035, val_every=250, step_ms=61.0)
+    r = rec.parse_log(log)
+    assert r.ms_per_step == pytest.approx(61.0, abs=0.01)
+    # intermediate losses are 10.8 - 7 s / 2035: <= 5.0 from s = 1686, validated every 250
+    assert r.first_step_at_or_below(5.0) == 1750
+    assert r.first_step_at_or_below(3.0) is None
+    assert rec.main(["stats", str(log), "--target", "5.0"]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    assert row.split()[-2:] == ["61.0", "1750"]
+    assert rec.main(["stats", str(log), "--target", "3.0"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split()[-1] == "-"
+
+
+def test_stats_against_baseline_is_welch_one_sided(tmp_path, capsys):
+    from scipy import stats as st
+    import numpy as np
+
+    new, base = [3.270, 3.272, 3.275], [3.280, 3.284, 3.279, 3.290]
+    a = record_folder(tmp_path, losses=new, name="A")
+    b = record_folder(tmp_path, losses=base, name="B")
+    va, vb = np.var(new, ddof=1) / 3, np.var(base, ddof=1) / 4
+    t = (np.mean(new) - np.mean(base)) / np.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 3)
+    expected = st.t.cdf(t, df)
+    c = rec.compare([rec.parse_log(p) for p in rec.expand([a])],
+                    [rec.parse_log(p) for p in rec.expand([b])])
+    assert c["n"] == 4 and c["diff"] == pytest.approx(np.mean(new) - np.mean(base), abs=1e-9)
+    assert c["p"] == pytest.approx(expected, rel=1e-6)
+    assert rec.main(["stats", str(a), "--against", str(b), "--alpha", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert f"against n=4 mean_loss={np.mean(base):.4f}" in out
+    assert "PASS (mean loss below the baseline's mean" in out
+    # the other way round the difference is positive and the test fails
+    assert rec.main(["stats", str(b), "--against", str(a), "--alpha", "0.05"]) == 0
+    assert "FAIL (mean loss below the baseline's mean" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------- diff
 
 def test_diff_shows_exactly_the_changed_line(tmp_path, capsys):
