@@ -126,7 +126,7 @@ class Hyperparameters:
     save_every: int = hp_field(0, "write a resumable checkpoint every N steps (even N; 0: never)")
     save_checkpoint: bool = hp_field(False, "write a checkpoint at the end of the run")
     resume: str = hp_field("", "checkpoint to resume from")
-    force: bool = hp_field(False, "resume even if the checkpoint was written by a different script")
+    force: bool = hp_field(False, "resume even if the checkpoint was written by a different script or with other training settings")
     profile: str = hp_field("", "START:END steps to record with the PyTorch profiler (Chrome trace next to the log)")
     cpu_threads: int = hp_field(0, "torch threads per process on CPU (0: cores / local processes)")
 
@@ -184,7 +184,7 @@ def build_arg_parser():
         default = f.default
         kwargs = dict(default=None, help=f"{f.metadata['help']} (default: {default})")
         if isinstance(default, bool):
-            kwargs.update(type=parse_bool, metavar="BOOL")
+            kwargs.update(type=parse_bool, metavar="BOOL", nargs="?", const=True)  # a bare --force means true
         elif isinstance(default, tuple):
             kwargs.update(type=type(default[0]), nargs=len(default), metavar=type(default[0]).__name__.upper())
         else:
@@ -2350,7 +2350,9 @@ class Trainer:
         self.loader.load_state_dict(snap["loader"])
         torch.set_rng_state(snap["rng"]["torch"])
         if snap["rng"]["cuda"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state_all(snap["rng"]["cuda"])
+            # the writing machine may have had more GPUs than this one (resume on fewer processes)
+            for index, state in enumerate(snap["rng"]["cuda"][: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(state, index)
         self.step, self.training_time_ms = snap["step"], snap["training_time_ms"]
         self.tokens_seen = snap["tokens_seen"]
         self.matrix_opt.zero_grad()
@@ -2380,11 +2382,11 @@ class Trainer:
         if self.hp.force:
             return
         if snap["script_sha256"] != script_sha256():
-            raise ConfigError(f"{path} was written by a different train_gpt.py; pass --force true to resume anyway")
+            raise ConfigError(f"{path} was written by a different train_gpt.py; pass --force to resume anyway")
         changed = [name for name in ours if name not in RESUME_FREE_FLAGS and ours[name] != theirs.get(name)]
         if changed:
             raise ConfigError(f"{path} was written with {_flags(theirs, changed)} but this run has {_flags(ours, changed)}; "
-                              f"pass the same settings, or --force true to continue with the new ones")
+                              f"pass the same settings, or --force to continue with the new ones")
 
     def checkpoint(self, tag):
         """Write a checkpoint (rank 0). A failed periodic write only warns: training goes on and the

@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after this many tokens (default: the whole source)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="tokenizer processes (1 = in this process)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (it is shown only on a terminal)")
     return p
 
 
@@ -414,7 +414,7 @@ def main(argv=None, enc=None) -> list[Path]:
 
         writer = ShardWriter(args.out, args.prefix, args.shard_size)
         with tqdm(total=args.max_tokens, unit="tok", unit_scale=True, desc="tokenizing",
-                  disable=args.quiet) as bar:
+                  disable=True if args.quiet else None) as bar:  # None: only on a terminal
             paths = write_documents(tokenize_documents(docs, enc, args.workers), writer,
                                     progress=bar, max_tokens=args.max_tokens)
     except DataError as e:

@@ -69,6 +69,7 @@ _VAL_RE = re.compile(
     re.M,
 )
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
+_EMBEDDED_SHA_RE = re.compile(rb"^script_sha256 [0-9a-f]{64}\r?$", re.M)
 _WORLD_RE = re.compile(r"^world_size (\d+)(?:\s|$)", re.M)
 # A replay is a new run: these recorded flags (each takes one value) are not passed on.
 DROPPED_FLAGS = ("--run_id", "--resume")
@@ -174,6 +175,10 @@ def verify_script(path, parts: LogParts | None = None, quiet: bool = False) -> b
     """
     parts = read_log(path) if parts is None else parts
     expected = recorded_sha256(parts, path)
+    if expected is None and _EMBEDDED_SHA_RE.search(parts.script):
+        # the environment's sha line sits inside the "script": the first separator line was cut
+        raise RecordError(f"{path}: the script is cut short inside a line (its separator line is "
+                          f"damaged, so it cannot be verified); the log is cut short or edited")
     if expected is None:
         if not quiet:
             warn(f"{path} has no script_sha256 line; cannot verify the script")

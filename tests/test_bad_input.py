@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+from test_training import run_main
 
 BOS = tg.BOS_ID
 
@@ -38,16 +39,6 @@ def tiny(corpus, log_dir, *extra, train=None, val=None):
             "--muon_momentum_warmup_steps", "2", "--muon_momentum_cooldown_steps", "0", "--log_dir", str(log_dir),
             "--train_files", str(train or corpus / "synthetic_train_*.bin"),
             "--val_files", str(val or corpus / "synthetic_val_*.bin"), *map(str, extra)]
-
-
-def run_main(argv, capsys):
-    """(returned val losses or None, exit code, stderr) of tg.main in this process."""
-    capsys.readouterr()
-    try:
-        result, code = tg.main(list(map(str, argv))), 0
-    except SystemExit as e:
-        result, code = None, e.code
-    return result, code, capsys.readouterr().err
 
 
 def one_line_error(code, err, *needles):
@@ -104,6 +95,14 @@ def test_bad_flag_is_one_line_before_any_work(corpus, tmp_path, capsys, extra, n
     assert result is None
     one_line_error(code, err, needle)
     assert not list(tmp_path.glob("*.txt"))  # rejected before a log was even created
+
+
+def test_a_bare_boolean_flag_means_true():
+    parse = tg.build_arg_parser().parse_args
+    assert parse(["--force"]).force is True and parse(["--force", "false"]).force is False
+    assert parse(["--compile", "--seed", "3"]).compile is True  # the next flag is not taken as its value
+    with pytest.raises(SystemExit):
+        parse(["--force", "maybe"])
 
 
 def test_abbreviated_flag_is_not_taken_for_the_full_one():

@@ -236,10 +236,12 @@ def tiny_input(tmp_path):
     return ["--files", str(tmp_path / "t.txt"), "--separator", r"\n\n", "--out", str(tmp_path / "out"), "--quiet"]
 
 
-@pytest.mark.parametrize("shard_size", [18, 19, 10**8])
-def test_input_that_fits_in_the_validation_shard_is_an_error(tmp_path, capsys, shard_size):
+@pytest.mark.parametrize("shard_size,quiet", [(18, True), (19, True), (10**8, True), (10**8, False)])
+def test_input_that_fits_in_the_validation_shard_is_an_error(tmp_path, capsys, shard_size, quiet):
+    """Exactly one line, also without --quiet: the progress bar shows only on a terminal."""
+    argv = [a for a in tiny_input(tmp_path) if quiet or a != "--quiet"]
     with pytest.raises(SystemExit) as ei:
-        fineweb.main([*tiny_input(tmp_path), "--shard_size", str(shard_size)], enc=tiny_byte_encoding())
+        fineweb.main([*argv, "--shard_size", str(shard_size)], enc=tiny_byte_encoding())
     assert ei.value.code == 2
     assert capsys.readouterr().err == (
         f"fineweb.py: error: the input has only 18 tokens, which would all go into the validation shard "

@@ -175,6 +175,20 @@ def test_cut_short_script_never_replays(tmp_path, capsys):
     assert rec.main(["extract", str(log)]) == 2
 
 
+def test_script_cut_inside_a_line_never_replays(tmp_path, capsys):
+    """The log lost the middle of its file, so the script now ends inside a line and the first
+    separator is no longer a line of its own: the sha line must not go unnoticed."""
+    marker = tmp_path / "ran.txt"
+    script = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\nx = 'a long line'\n"
+    log = make_log(tmp_path / "cut.txt", script=script)
+    data = log.read_bytes()
+    log.write_bytes(data[: len(script) - 5] + data[len(script):])  # "...a long l" + "=====..."
+    assert rec.main(["replay", "--nproc", "0", "--dir", str(tmp_path), str(log)]) == 2
+    one_error_line(capsys.readouterr().err, str(log), "cut short inside a line")
+    assert not marker.exists() and not list(tmp_path.glob(".replay_*"))
+    assert rec.main(["extract", str(log)]) == 2
+
+
 def test_old_log_without_sha_warns_and_extracts(tmp_path, capsys):
     log = old_log(tmp_path / "old.txt")
     assert rec.verify_script(log, quiet=True) is False
