@@ -1819,7 +1819,9 @@ class BlockOptimizer:
             p = self.params[block.param]
             g = local[offset: offset + block.numel].view(block.of(p).shape)
             weight = block.of(p).float()
-            new = weight * (1 - group["lr"] * group["weight_decay"]) - group["lr"] * self.direction(i, g)
+            direction = self.direction(i, g)
+            new = weight if direction is None else \
+                weight * (1 - group["lr"] * group["weight_decay"]) - group["lr"] * direction
             updated[offset: offset + block.numel] = new.reshape(-1)
             offset += block.numel
         full = updated
@@ -1835,6 +1837,7 @@ class BlockOptimizer:
                 offset += block.numel
 
     def direction(self, i, grad):
+        """The block's update direction from its averaged gradient (None: leave the block as it is)."""
         raise NotImplementedError
 
     def state_dict(self):
@@ -1895,8 +1898,10 @@ class Shampoo(BlockOptimizer):
 
 
 class SOAP(BlockOptimizer):
-    """SOAP: Adam run in the eigenbasis of Shampoo's factors (refreshed every `precondition_frequency`
-    steps, from the first), with decoupled weight decay. Momentum lives in the parameter's basis,
+    """SOAP: Adam run in the eigenbasis of Shampoo's factors, with decoupled weight decay. As in the
+    published SOAP, a gradient enters the factors only after it has been used, so the basis never holds
+    the gradient it rotates: the first step only builds the basis (no update), then the basis is
+    refreshed after every `precondition_frequency` Adam steps. Momentum lives in the parameter's basis,
     the second moment in the rotated one."""
 
     name = "soap"
@@ -1908,13 +1913,17 @@ class SOAP(BlockOptimizer):
 
     def direction(self, i, grad):
         beta1, beta2 = self.param_groups[0]["betas"]
-        t = self.step_count
+        t = self.step_count - 1  # Adam steps so far: the optimizer's first step only builds the basis
         state = self.state.setdefault(i, self._new_state(grad))
+        update = self._adam_in_basis(state, grad, t, beta1, beta2) if t > 0 else None
         for d in range(grad.ndim):
             factor = state[f"factor{d}"].float().mul_(beta2).add_(gram(grad, d), alpha=1 - beta2)
             state[f"factor{d}"].copy_(factor)
-            if (t - 1) % self.frequency == 0:
+            if t % self.frequency == 0:
                 state[f"basis{d}"].copy_(eigenbasis(factor))
+        return update
+
+    def _adam_in_basis(self, state, grad, t, beta1, beta2):
         bases = [state[f"basis{d}"].float() for d in range(grad.ndim)]
 
         def rotate(x):

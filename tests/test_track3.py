@@ -161,6 +161,11 @@ class RefBlockwise:
             g = block.of(grads[block.param].double()).clone()
             s = self.state.setdefault(i, {})
             sides = [g @ g.T, g.T @ g] if g.ndim == 2 else [torch.outer(g, g)]
+            if self.kind == "soap":  # uses the factors and basis of the earlier gradients only
+                direction = self.soap_direction(s, g, t - 1, sides)
+                if direction is not None:
+                    updates.append((block, direction))
+                continue
             for d, gram in enumerate(sides):
                 s[f"F{d}"] = b2 * s.get(f"F{d}", 0) + (1 - b2) * gram
             refresh = (t - 1) % hp["precondition_frequency"] == 0 if "precondition_frequency" in hp else False
@@ -174,14 +179,6 @@ class RefBlockwise:
                 adam = m_hat / ((s["A"] / (1 - hp["graft_beta2"] ** t)).sqrt() + hp["graft_eps"])
                 pre = s["P0"] @ m_hat @ s["P1"] if g.ndim == 2 else s["P0"] @ m_hat
                 direction = pre * adam.norm() / pre.norm()
-            elif self.kind == "soap":
-                if refresh:
-                    for d in range(g.ndim):
-                        s[f"Q{d}"] = torch.linalg.eigh(s[f"F{d}"])[1]
-                rot = (lambda x: s["Q0"].T @ x @ s["Q1"]) if g.ndim == 2 else (lambda x: s["Q0"].T @ x)
-                unrot = (lambda x: s["Q0"] @ x @ s["Q1"].T) if g.ndim == 2 else (lambda x: s["Q0"] @ x)
-                s["V"] = b2 * s.get("V", 0) + (1 - b2) * rot(g) ** 2
-                direction = unrot((rot(s["M"]) / (1 - b1 ** t)) / ((s["V"] / (1 - b2 ** t)).sqrt() + hp["eps"]))
             else:
                 s["V"] = b2 * s.get("V", 0) + (1 - b2) * g * g
                 direction = (s["M"] / (1 - b1 ** t)) / ((s["V"] / (1 - b2 ** t)).sqrt() + hp["eps"])
@@ -189,6 +186,23 @@ class RefBlockwise:
         for block, direction in updates:
             view = block.of(self.ps[block.param])
             view.copy_(view * (1 - hp["lr"] * hp["weight_decay"]) - hp["lr"] * direction)
+
+    def soap_direction(self, s, g, t, sides):
+        """SOAP's Adam step number t in the basis of gradients 1..t (none at t = 0), then the factors take
+        g and the basis is recomputed after every precondition_frequency-th Adam step."""
+        hp, (b1, b2) = self.hp, self.hp["betas"]
+        direction = None
+        if t > 0:
+            rot = (lambda x: s["Q0"].T @ x @ s["Q1"]) if g.ndim == 2 else (lambda x: s["Q0"].T @ x)
+            unrot = (lambda x: s["Q0"] @ x @ s["Q1"].T) if g.ndim == 2 else (lambda x: s["Q0"] @ x)
+            s["M"] = b1 * s.get("M", 0) + (1 - b1) * g
+            s["V"] = b2 * s.get("V", 0) + (1 - b2) * rot(g) ** 2
+            direction = unrot((rot(s["M"]) / (1 - b1 ** t)) / ((s["V"] / (1 - b2 ** t)).sqrt() + hp["eps"]))
+        for d, gram in enumerate(sides):
+            s[f"F{d}"] = b2 * s.get(f"F{d}", 0) + (1 - b2) * gram
+            if t % hp["precondition_frequency"] == 0:
+                s[f"Q{d}"] = torch.linalg.eigh(s[f"F{d}"])[1]
+        return direction
 
 
 def square_params():
@@ -221,6 +235,20 @@ def test_update_matches_float64_reference(kind, hp, factory):
             # correction move some weight by >= 0.1 x lr.
             tolerance = (1e-3 if kind == "soap" else 2e-4) * hp["lr"]
             assert err <= tolerance, (kind, step, p.label, tuple(p.shape), err / hp["lr"])
+
+
+def test_soap_first_step_only_builds_the_basis():
+    """No update (and no decay) at the first step; the second moves every block, in the basis of the
+    first gradient (which the factors took after it was used)."""
+    ps = square_params()
+    opt = tg.SOAP(ps, **dict(SOAP_HP, max_dim=D))
+    before = [p.detach().clone() for p in ps]
+    run(opt, ps, [0], lambda s, i, shape: grad(0, s, i, shape))
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+    assert all(state["basis0"].abs().sum() > 0 for state in opt.state.values())
+    run(opt, ps, [1], lambda s, i, shape: grad(0, s, i, shape))
+    for p, b in zip(ps, before):
+        assert (p - b).abs().amax(dim=-1).min() > 0  # every row of every block moved
 
 
 def test_shampoo_uses_the_roots_of_the_refresh_steps_only(monkeypatch):
