@@ -174,12 +174,28 @@ def test_glob_matching_a_directory(corpus, tmp_path, capsys):
     no_training_happened(log_dir)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can read any file")
-def test_unreadable_shard(corpus, tmp_path, capsys):
+def deny_access(monkeypatch, path, folder=False):
+    """Take away read (a file) or write (a folder) permission: chmod where it binds; as root, which
+    ignores permissions, make Path.open fail as the OS would."""
+    path.chmod(0o555 if folder else 0)
+    if os.geteuid() != 0:
+        return
+    real_open = tg.Path.open
+
+    def open_or_deny(self, mode="r", *args, **kwargs):
+        if (self.parent if folder else self) == path and (("r" in mode) != folder):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(tg.Path, "open", open_or_deny)
+
+
+def test_unreadable_shard(corpus, tmp_path, capsys, monkeypatch):
     pattern, path = corrupt_copy(corpus, tmp_path, "train", lambda t: t)
-    path.chmod(0)
+    deny_access(monkeypatch, path)
     result, code, err = run_main(tiny(corpus, tmp_path / "logs", train=pattern), capsys)
     one_line_error(code, err, str(path), "Permission denied")
+    no_training_happened(tmp_path / "logs")
 
 
 def test_val_shard_shorter_than_val_tokens_is_reported_first(corpus, tmp_path, capsys):
@@ -217,13 +233,13 @@ def test_log_dir_that_is_a_file(corpus, tmp_path, capsys):
     one_line_error(code, err, "not_a_folder")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
-def test_read_only_log_dir(corpus, tmp_path, capsys):
+def test_read_only_log_dir(corpus, tmp_path, capsys, monkeypatch):
     folder = tmp_path / "ro"
     folder.mkdir()
-    folder.chmod(0o555)
+    deny_access(monkeypatch, folder, folder=True)
     result, code, err = run_main(tiny(corpus, folder), capsys)
     one_line_error(code, err, str(folder), "Permission denied")
+    assert not list(folder.iterdir())
 
 
 def test_non_finite_validation_loss_fails_the_run(corpus, tmp_path, capsys, monkeypatch):
