@@ -13,6 +13,7 @@ rec = sys.modules.setdefault("records_cli", importlib.util.module_from_spec(_spe
 _spec.loader.exec_module(rec)
 
 RECORD_DIRS = sorted(p for p in (ROOT / "records").glob("track_*/*") if p.is_dir())
+COMMITTED_LOGS = sorted((ROOT / "records").glob("track_*/**/*.txt"))  # records and their lr sweeps
 
 
 TRACKS = {"track_1_short", "track_cpu", "track_3_cpu", "track_3"}  # records/README.md, "Tracks and rules"
@@ -57,3 +58,16 @@ def test_record_readme_matches_stats(folder, monkeypatch):
                               alpha=alpha, against=against)
     for line in report.splitlines():
         assert line in readme, f"{folder}/README.md does not quote this stats line: {line!r}"
+
+
+@pytest.mark.parametrize("log", COMMITTED_LOGS, ids=lambda p: str(p.relative_to(ROOT / "records")))
+def test_committed_logs_name_no_machine_path(log):
+    """Recorded arguments and data paths are relative, so a replay works on any machine and a log does
+    not reveal the folders of the one that produced it."""
+    parts = rec.read_log(log)
+    args = rec.recorded_args(parts, log)
+    assert args is not None, f"{log}: no args: line"
+    data_lines = [line for line in parts.output.splitlines() if line.startswith("data: ")]
+    words = [*args, *(w for line in data_lines for w in line.split())]
+    absolute = [w for w in words if w.startswith("/") or re.match(r"[A-Za-z]:[\\/]", w)]
+    assert not absolute, f"{log}: names machine paths {absolute}"

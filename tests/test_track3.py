@@ -417,7 +417,7 @@ def test_matrix_optimizer_trains_and_resumes_exactly_in_one_process(corpus, tmp_
     torch.set_num_threads(threads)
     assert code == 0, err
     assert resumed == [(s, v) for s, v in full if s >= 4]  # full float precision
-    assert full[-1][1] < full[0][1] - 1.0  # and it learns
+    assert full[-1][1] < full[0][1] - 0.5  # and it learns (8 steps; SOAP's first only builds its basis)
 
 
 @pytest.mark.slow
