@@ -134,6 +134,7 @@ class Hyperparameters:
 PRESETS = {
     "record": {},
     "cpu": dict(  # 2 CPU cores, ~500 s of training; tuned on the novels corpus (records/track_cpu)
+        device="cpu",  # also where CUDA exists (add --device cuda to run it on a GPU)
         synthetic_fallback=True,
         val_tokens=65_536,
         val_batch_size=8_192,

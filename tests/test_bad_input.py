@@ -97,6 +97,19 @@ def test_bad_flag_is_one_line_before_any_work(corpus, tmp_path, capsys, extra, n
     assert not list(tmp_path.glob("*.txt"))  # rejected before a log was even created
 
 
+def test_cpu_preset_stays_on_the_cpu_where_cuda_exists(monkeypatch):
+    """The tests' configurations use the cpu preset: on a GPU machine they must run as they do here (a
+    second local rank on one GPU would otherwise ask for cuda:1)."""
+    monkeypatch.setattr(tg.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tg.torch, "set_num_threads", lambda n: None)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert tg.setup_distributed(tg.parse_args(["--preset", "cpu"]))[2].type == "cpu"
+    assert tg.parse_args(["--preset", "cpu", "--device", "cuda"]).device == "cuda"  # an explicit flag wins
+    monkeypatch.setattr(tg.torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(tg.ConfigError, match="local rank 1 needs 2 GPUs"):
+        tg.setup_distributed(tg.parse_args([]))  # the record preset does go to CUDA (control)
+
+
 def test_a_bare_boolean_flag_means_true():
     parse = tg.build_arg_parser().parse_args
     assert parse(["--force"]).force is True and parse(["--force", "false"]).force is False
