@@ -100,11 +100,19 @@ def directory(folder):
     return path
 
 
-def unreadable(folder):
-    if os.geteuid() == 0:
-        pytest.skip("root can read any file")
+def unreadable(folder, monkeypatch):
+    """chmod 0; as root, which reads any file, opening it for reading fails as the OS would."""
     path = good_shard(folder)
     path.chmod(0)
+    if os.geteuid() == 0:
+        real_open = Path.open
+
+        def open_or_deny(self, mode="r", *args, **kwargs):
+            if self == path and "r" in mode:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real_open(self, mode, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "open", open_or_deny)
     return path
 
 
@@ -138,10 +146,10 @@ def corrupt_params():
 
 
 @pytest.mark.parametrize("case,reader", corrupt_params())
-def test_corrupt_or_unreadable_shard_gives_the_same_one_line_message(tmp_path, case, reader):
+def test_corrupt_or_unreadable_shard_gives_the_same_one_line_message(tmp_path, monkeypatch, case, reader):
     make, expected = CORRUPT[case]
     read, error = READERS[reader]
-    path = make(tmp_path)
+    path = make(tmp_path, monkeypatch) if make is unreadable else make(tmp_path)
     if case == "id_too_large" and reader == "shards_header_only":
         assert read(path) == 10  # the body is not read
         return
