@@ -1718,13 +1718,17 @@ def assign_blocks(costs, numels, world_size, capacity=None):
     return owner
 
 
-def inverse_root(matrix, root, eps):
-    """(matrix + eps I)^(-1/root) of a symmetric PSD matrix via its eigendecomposition in fp32,
-    retried in fp64 when fp32 fails to converge."""
+def symmetric_eigh(matrix):
+    """(eigenvalues, eigenvectors) of a symmetric matrix in fp32, retried in fp64 when fp32 fails to converge."""
     try:
-        values, vectors = torch.linalg.eigh(matrix.float())
+        return torch.linalg.eigh(matrix.float())
     except torch.linalg.LinAlgError:
-        values, vectors = (t.float() for t in torch.linalg.eigh(matrix.double()))
+        return tuple(t.float() for t in torch.linalg.eigh(matrix.double()))
+
+
+def inverse_root(matrix, root, eps):
+    """(matrix + eps I)^(-1/root) of a symmetric PSD matrix via its eigendecomposition."""
+    values, vectors = symmetric_eigh(matrix)
     scale = (values.clamp_min(0) + eps).pow(-1 / root)
     return (vectors * scale) @ vectors.T
 
@@ -1734,14 +1738,6 @@ def gram(grad, side):
     if grad.ndim == 1:
         return torch.outer(grad, grad)
     return grad @ grad.T if side == 0 else grad.T @ grad
-
-
-def eigenbasis(matrix):
-    """Eigenvectors of a symmetric matrix (fp32, retried in fp64 when fp32 fails to converge)."""
-    try:
-        return torch.linalg.eigh(matrix.float())[1]
-    except torch.linalg.LinAlgError:
-        return torch.linalg.eigh(matrix.double())[1].float()
 
 
 @dataclass(frozen=True)
@@ -1841,6 +1837,15 @@ class BlockOptimizer:
         """The block's update direction from its averaged gradient (None: leave the block as it is)."""
         raise NotImplementedError
 
+    def _new_state(self, grad):
+        raise NotImplementedError
+
+    def _block_state(self, i, grad):
+        """Block i's state tensors, made (zeros) at its first step."""
+        if i not in self.state:
+            self.state[i] = self._new_state(grad)
+        return self.state[i]
+
     def state_dict(self):
         """Every block's state (all ranks' gathered, keyed by block index: the same at any world size)."""
         state = {i: {k: v.cpu().clone() for k, v in s.items()} for i, s in self.state.items()}
@@ -1859,27 +1864,50 @@ class BlockOptimizer:
                       for i in self.rank_blocks[self.rank] if i in state["blocks"]}
 
 
-class Shampoo(BlockOptimizer):
+class FactoredOptimizer(BlockOptimizer):
+    """Shampoo's and SOAP's common part: per block, the factors L = EMA(G Gᵀ) and R = EMA(Gᵀ G) (one
+    factor for a 1-D block), each with a matrix derived from it (`derived`: inverse root or eigenbasis),
+    stored in `state_dtype`, plus momentum and an Adam-style second moment (`second`); subclasses name
+    the last two state entries."""
+
+    def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency,
+                 state_dtype=torch.float32, cost="bytes"):
+        super().__init__(params, lr, betas, weight_decay, max_dim, cost)
+        self.eps, self.frequency, self.state_dtype = eps, precondition_frequency, state_dtype
+
+    def _new_state(self, grad):
+        state = {"momentum": torch.zeros_like(grad), self.second: torch.zeros_like(grad)}
+        for d, size in enumerate(grad.shape):
+            state[f"factor{d}"] = grad.new_zeros(size, size, dtype=self.state_dtype)
+            state[f"{self.derived}{d}"] = grad.new_zeros(size, size, dtype=self.state_dtype)
+        return state
+
+    def _accumulate_factor(self, state, grad, d, beta2):
+        """factor_d <- beta2 factor_d + (1 - beta2) (G Gᵀ or Gᵀ G), computed in fp32; returns the fp32 factor."""
+        factor = state[f"factor{d}"].float().mul_(beta2).add_(gram(grad, d), alpha=1 - beta2)
+        state[f"factor{d}"].copy_(factor)
+        return factor
+
+
+class Shampoo(FactoredOptimizer):
     """Shampoo with Adam grafting: factors L = EMA(G Gᵀ), R = EMA(Gᵀ G) (bias-corrected), inverse roots
     L^(-1/4), R^(-1/4) refreshed every `precondition_frequency` steps (from the first), momentum on the
     gradient, the preconditioned direction rescaled per block to the norm of Adam's direction, then
     decoupled weight decay. A 1-D block has one factor and exponent -1/2."""
 
-    name = "shampoo"
+    name, derived, second = "shampoo", "root", "graft"
 
     def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency, graft_beta2, graft_eps,
                  state_dtype=torch.float32, cost="bytes"):
-        super().__init__(params, lr, betas, weight_decay, max_dim, cost)
-        self.eps, self.frequency, self.state_dtype = eps, precondition_frequency, state_dtype
+        super().__init__(params, lr, betas, weight_decay, eps, max_dim, precondition_frequency, state_dtype, cost)
         self.graft_beta2, self.graft_eps = graft_beta2, graft_eps
 
     def direction(self, i, grad):
         beta1, beta2 = self.param_groups[0]["betas"]
         t = self.step_count
-        state = self.state.setdefault(i, self._new_state(grad))
+        state = self._block_state(i, grad)
         for d in range(grad.ndim):
-            factor = state[f"factor{d}"].float().mul_(beta2).add_(gram(grad, d), alpha=1 - beta2)
-            state[f"factor{d}"].copy_(factor)
+            factor = self._accumulate_factor(state, grad, d, beta2)
             if (t - 1) % self.frequency == 0:
                 state[f"root{d}"].copy_(inverse_root(factor / (1 - beta2 ** t), 2 * grad.ndim, self.eps))
         momentum = state["momentum"].mul_(beta1).add_(grad, alpha=1 - beta1)
@@ -1890,38 +1918,25 @@ class Shampoo(BlockOptimizer):
         shampoo = roots[0] @ filtered @ roots[1] if grad.ndim == 2 else roots[0] @ filtered
         return shampoo * (adam.norm() / shampoo.norm().clamp_min(1e-30))
 
-    def _new_state(self, grad):
-        state = dict(momentum=torch.zeros_like(grad), graft=torch.zeros_like(grad))
-        for d, size in enumerate(grad.shape):
-            state[f"factor{d}"] = grad.new_zeros(size, size, dtype=self.state_dtype)
-            state[f"root{d}"] = grad.new_zeros(size, size, dtype=self.state_dtype)
-        return state
 
-
-class SOAP(BlockOptimizer):
+class SOAP(FactoredOptimizer):
     """SOAP: Adam run in the eigenbasis of Shampoo's factors, with decoupled weight decay. As in the
     published SOAP, a gradient enters the factors only after it has been used, so the basis never holds
     the gradient it rotates: the first step only builds the basis (no update), then the basis is
     refreshed after every `precondition_frequency` Adam steps. Momentum lives in the parameter's basis,
     the second moment in the rotated one."""
 
-    name = "soap"
-
-    def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency,
-                 state_dtype=torch.float32, cost="bytes"):
-        super().__init__(params, lr, betas, weight_decay, max_dim, cost)
-        self.eps, self.frequency, self.state_dtype = eps, precondition_frequency, state_dtype
+    name, derived, second = "soap", "basis", "second"
 
     def direction(self, i, grad):
         beta1, beta2 = self.param_groups[0]["betas"]
         t = self.step_count - 1  # Adam steps so far: the optimizer's first step only builds the basis
-        state = self.state.setdefault(i, self._new_state(grad))
+        state = self._block_state(i, grad)
         update = self._adam_in_basis(state, grad, t, beta1, beta2) if t > 0 else None
         for d in range(grad.ndim):
-            factor = state[f"factor{d}"].float().mul_(beta2).add_(gram(grad, d), alpha=1 - beta2)
-            state[f"factor{d}"].copy_(factor)
+            factor = self._accumulate_factor(state, grad, d, beta2)
             if t % self.frequency == 0:
-                state[f"basis{d}"].copy_(eigenbasis(factor))
+                state[f"basis{d}"].copy_(symmetric_eigh(factor)[1])
         return update
 
     def _adam_in_basis(self, state, grad, t, beta1, beta2):
@@ -1939,13 +1954,6 @@ class SOAP(BlockOptimizer):
         adam = (rotate(momentum) / (1 - beta1 ** t)) / ((second / (1 - beta2 ** t)).sqrt() + self.eps)
         return unrotate(adam)
 
-    def _new_state(self, grad):
-        state = dict(momentum=torch.zeros_like(grad), second=torch.zeros_like(grad))
-        for d, size in enumerate(grad.shape):
-            state[f"factor{d}"] = grad.new_zeros(size, size, dtype=self.state_dtype)
-            state[f"basis{d}"] = grad.new_zeros(size, size, dtype=self.state_dtype)
-        return state
-
 
 class AdamW(BlockOptimizer):
     """AdamW (bias-corrected, decoupled weight decay), the track's baseline; blocks are whole pieces."""
@@ -1959,10 +1967,13 @@ class AdamW(BlockOptimizer):
     def direction(self, i, grad):
         beta1, beta2 = self.param_groups[0]["betas"]
         t = self.step_count
-        state = self.state.setdefault(i, dict(m=torch.zeros_like(grad), v=torch.zeros_like(grad)))
+        state = self._block_state(i, grad)
         m = state["m"].mul_(beta1).add_(grad, alpha=1 - beta1)
         v = state["v"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         return (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + self.eps)
+
+    def _new_state(self, grad):
+        return dict(m=torch.zeros_like(grad), v=torch.zeros_like(grad))
 
 
 def split_params_for_optimizers(model):
