@@ -263,8 +263,6 @@ def check_hyperparameters(hp):
                           ("shampoo_state_dtype", ("fp32", "bf16")), ("shampoo_cost", ("bytes", "poly"))):
         if getattr(hp, name) not in choices:
             raise ConfigError(f"--{name} must be one of {', '.join(choices)}, got {getattr(hp, name)!r}")
-    if hp.fp8 == "on" and hp.device == "cpu":
-        raise ConfigError("--fp8 on needs a CUDA device (the CPU path has no FP8 head); use --fp8 auto or off")
     if hp.fp8 not in ("auto", "on", "off"):
         raise ConfigError(f"--fp8 must be auto, on or off, got {hp.fp8!r}")
     if hp.profile and not _parse_profile_range(hp.profile):
@@ -1135,11 +1133,15 @@ def use_cpu_fallbacks(model):
     return model
 
 
+def check_fp8_device(hp, device):
+    if hp.fp8 == "on" and device.type != "cuda":
+        raise ConfigError("--fp8 on needs a CUDA device (the CPU path has no FP8 head); use --fp8 auto or off")
+
+
 def build_model(hp, world_size, device):
     """The model on `device`: the GPU paths (bf16 embeddings and gates as in the reference, FP8 head
     where supported or forced) on CUDA, the CPU fallbacks (fp32) on a CPU."""
-    if hp.fp8 == "on" and device.type == "cpu":
-        raise ConfigError("--fp8 on needs a CUDA device (the CPU path has no FP8 head); use --fp8 auto or off")
+    check_fp8_device(hp, device)
     model = GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, world_size,
                 hp.window_block_tokens).to(device)
     if device.type != "cuda":
@@ -2203,6 +2205,7 @@ def setup_distributed(hp):
     else:
         device = torch.device("cpu")
         torch.set_num_threads(hp.cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
+    check_fp8_device(hp, device)  # before any log or work: also with --device auto on a machine without CUDA
     if world_size > 1:
         # the first compile on 8 ranks can keep a rank from the next collective for many minutes
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30),
