@@ -86,6 +86,19 @@ BAD_FLAGS = [
     (["--window_blocks", "2", "1", "2"], "--window_blocks"),
     (["--fp8", "on", "--device", "cpu"], "--fp8 on"),
     (["--device", "tpu"], "--device"),
+    (["--bogus_flag", "3"], "--bogus_flag"),
+    (["--num_layers", "0"], "--num_layers"),
+    (["--batch_sizes", "0", "1", "1"], "--batch_sizes"),
+    (["--val_batch_size", "-512"], "--val_batch_size"),
+    (["--batch_sizes", "1000", "1000", "1001", "--grad_accum_base", "8"], "--batch_sizes value 1001"),
+    (["--window_blocks", "2", "3", "5"], "--max_seq_len"),
+    (["--val_tokens", "1000"], "--val_batch_size"),
+    (["--save_every", "3"], "--save_every"),
+    (["--fp8", "maybe"], "--fp8"),
+    (["--num_layers", "4"], "--num_layers 4"),
+    (["--num_layers", "abc"], "--num_layers"),
+    (["--cycle_data", "perhaps"], "--cycle_data"),
+    (["--profile", "5:2"], "--profile"),
 ]
 
 

@@ -257,28 +257,6 @@ def test_warm_up_restores_everything(corpus, tmp_path, restore_threads):
 # bad input
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--bogus_flag", "3"], "--bogus_flag"),
-    (["--num_layers", "0"], "--num_layers"),
-    (["--batch_sizes", "0", "1", "1"], "--batch_sizes"),
-    (["--val_batch_size", "-512"], "--val_batch_size"),
-    (["--batch_sizes", "1000", "1000", "1001", "--grad_accum_base", "8"], "--batch_sizes value 1001"),
-    (["--window_blocks", "2", "3", "5"], "--max_seq_len"),
-    (["--val_tokens", "1000"], "--val_batch_size"),
-    (["--save_every", "3"], "--save_every"),
-    (["--fp8", "maybe"], "--fp8"),
-    (["--num_layers", "4"], "--num_layers 4"),
-    (["--num_layers", "abc"], "--num_layers"),
-    (["--cycle_data", "perhaps"], "--cycle_data"),
-    (["--profile", "5:2"], "--profile"),
-])
-def test_bad_flags_one_line(corpus, tmp_path, capsys, restore_threads, extra, needle):
-    result, code, err = run_main([*tiny(corpus, "--log_dir", tmp_path), *extra], capsys)
-    assert code not in (0, None) and result is None
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("train_gpt.py: error:") and needle in lines[0], err
-
-
 @pytest.mark.parametrize("which", ["train", "val"])
 def test_missing_data_one_line(corpus, tmp_path, capsys, restore_threads, which):
     """No synthetic fallback outside the cpu preset: the record preset on CPU names the missing pattern,
