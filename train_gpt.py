@@ -1924,9 +1924,11 @@ class Shampoo(FactoredOptimizer):
 class SOAP(FactoredOptimizer):
     """SOAP: Adam run in the eigenbasis of Shampoo's factors, with decoupled weight decay. As in the
     published SOAP, a gradient enters the factors only after it has been used, so the basis never holds
-    the gradient it rotates: the first step only builds the basis (no update), then the basis is
-    refreshed after every `precondition_frequency` Adam steps. Momentum lives in the parameter's basis,
-    the second moment in the rotated one."""
+    the gradient it rotates: the first step only builds the basis (an eigendecomposition, no update).
+    After every `precondition_frequency` Adam steps the basis takes one power-iteration step and a QR
+    decomposition from where it was, its directions (and the second moment's entries with them)
+    ordered by their estimated eigenvalues: a slowly turning basis whose second moment still fits it.
+    Momentum lives in the parameter's basis, the second moment in the rotated one."""
 
     name, derived, second = "soap", "basis", "second"
 
@@ -1937,9 +1939,18 @@ class SOAP(FactoredOptimizer):
         update = self._adam_in_basis(state, grad, t, beta1, beta2) if t > 0 else None
         for d in range(grad.ndim):
             factor = self._accumulate_factor(state, grad, d, beta2)
-            if t % self.frequency == 0:
+            if t == 0:
                 state[f"basis{d}"].copy_(symmetric_eigh(factor)[1])
+            elif t % self.frequency == 0:
+                self._turn_basis(state, factor, d)
         return update
+
+    def _turn_basis(self, state, factor, d):
+        """basis_d <- QR(factor_d @ basis_d) with the directions sorted by estimated eigenvalue, largest first."""
+        basis = state[f"basis{d}"].float()
+        order = torch.argsort((basis * (factor @ basis)).sum(0), descending=True)  # diag(Bᵀ F B)
+        state["second"].copy_(state["second"].index_select(d, order))
+        state[f"basis{d}"].copy_(torch.linalg.qr(factor @ basis[:, order]).Q)
 
     def _adam_in_basis(self, state, grad, t, beta1, beta2):
         bases = [state[f"basis{d}"].float() for d in range(grad.ndim)]

@@ -189,7 +189,8 @@ class RefBlockwise:
 
     def soap_direction(self, s, g, t, sides):
         """SOAP's Adam step number t in the basis of gradients 1..t (none at t = 0), then the factors take
-        g and the basis is recomputed after every precondition_frequency-th Adam step."""
+        g; the basis is their eigenvectors at t = 0 and turns by a power iteration after every
+        precondition_frequency-th Adam step."""
         hp, (b1, b2) = self.hp, self.hp["betas"]
         direction = None
         if t > 0:
@@ -200,8 +201,12 @@ class RefBlockwise:
             direction = unrot((rot(s["M"]) / (1 - b1 ** t)) / ((s["V"] / (1 - b2 ** t)).sqrt() + hp["eps"]))
         for d, gram in enumerate(sides):
             s[f"F{d}"] = b2 * s.get(f"F{d}", 0) + (1 - b2) * gram
-            if t % hp["precondition_frequency"] == 0:
+            if t == 0:
                 s[f"Q{d}"] = torch.linalg.eigh(s[f"F{d}"])[1]
+            elif t % hp["precondition_frequency"] == 0:  # one power iteration from the sorted basis
+                order = torch.argsort(torch.diag(s[f"Q{d}"].T @ s[f"F{d}"] @ s[f"Q{d}"]), descending=True)
+                s["V"] = s["V"].index_select(d, order)
+                s[f"Q{d}"] = torch.linalg.qr(s[f"F{d}"] @ s[f"Q{d}"][:, order]).Q
         return direction
 
 
