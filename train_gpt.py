@@ -1924,25 +1924,34 @@ class Shampoo(FactoredOptimizer):
 class SOAP(FactoredOptimizer):
     """SOAP: Adam run in the eigenbasis of Shampoo's factors, with decoupled weight decay. As in the
     published SOAP, a gradient enters the factors only after it has been used, so the basis never holds
-    the gradient it rotates: the first step only builds the basis (an eigendecomposition, no update).
-    After every `precondition_frequency` Adam steps the basis takes one power-iteration step and a QR
-    decomposition from where it was, its directions (and the second moment's entries with them)
-    ordered by their estimated eigenvalues: a slowly turning basis whose second moment still fits it.
-    Momentum lives in the parameter's basis, the second moment in the rotated one."""
+    the gradient it rotates: a block's first step only builds its basis (an eigendecomposition, no
+    update). After every `precondition_frequency` Adam steps the basis takes one power-iteration step
+    and a QR decomposition from where it was, its directions (and the second moment's entries with
+    them) ordered by their estimated eigenvalues: a slowly turning basis whose second moment still fits
+    it. Momentum lives in the parameter's basis, the second moment in the rotated one."""
 
     name, derived, second = "soap", "basis", "second"
 
+    def _new_state(self, grad):
+        # -1: no basis yet. A block behind a zero-initialized weight (Q, K, V behind O, the MLP's input
+        # behind its output) has an exactly zero first gradient; a basis built from a zero factor would
+        # be arbitrary, and power iterations every few steps would take most of the run to repair it.
+        return dict(super()._new_state(grad), adam_steps=torch.tensor(-1))
+
     def direction(self, i, grad):
         beta1, beta2 = self.param_groups[0]["betas"]
-        t = self.step_count - 1  # Adam steps so far: the optimizer's first step only builds the basis
         state = self._block_state(i, grad)
+        steps = int(state["adam_steps"])
+        t = steps + 1 if steps >= 0 else 0  # this step's Adam step number (0: building the basis)
         update = self._adam_in_basis(state, grad, t, beta1, beta2) if t > 0 else None
         for d in range(grad.ndim):
             factor = self._accumulate_factor(state, grad, d, beta2)
-            if t == 0:
+            if t == 0 and grad.any():
                 state[f"basis{d}"].copy_(symmetric_eigh(factor)[1])
-            elif t % self.frequency == 0:
+            elif t > 0 and t % self.frequency == 0:
                 self._turn_basis(state, factor, d)
+        if t > 0 or grad.any():
+            state["adam_steps"].fill_(t)
         return update
 
     def _turn_basis(self, state, factor, d):

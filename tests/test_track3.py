@@ -162,7 +162,7 @@ class RefBlockwise:
             s = self.state.setdefault(i, {})
             sides = [g @ g.T, g.T @ g] if g.ndim == 2 else [torch.outer(g, g)]
             if self.kind == "soap":  # uses the factors and basis of the earlier gradients only
-                direction = self.soap_direction(s, g, t - 1, sides)
+                direction = self.soap_direction(s, g, sides)
                 if direction is not None:
                     updates.append((block, direction))
                 continue
@@ -178,7 +178,7 @@ class RefBlockwise:
                 s["A"] = hp["graft_beta2"] * s.get("A", 0) + (1 - hp["graft_beta2"]) * g * g
                 adam = m_hat / ((s["A"] / (1 - hp["graft_beta2"] ** t)).sqrt() + hp["graft_eps"])
                 pre = s["P0"] @ m_hat @ s["P1"] if g.ndim == 2 else s["P0"] @ m_hat
-                direction = pre * adam.norm() / pre.norm()
+                direction = pre * adam.norm() / pre.norm() if pre.norm() > 0 else pre  # (a zero gradient)
             else:
                 s["V"] = b2 * s.get("V", 0) + (1 - b2) * g * g
                 direction = (s["M"] / (1 - b1 ** t)) / ((s["V"] / (1 - b2 ** t)).sqrt() + hp["eps"])
@@ -187,11 +187,12 @@ class RefBlockwise:
             view = block.of(self.ps[block.param])
             view.copy_(view * (1 - hp["lr"] * hp["weight_decay"]) - hp["lr"] * direction)
 
-    def soap_direction(self, s, g, t, sides):
-        """SOAP's Adam step number t in the basis of gradients 1..t (none at t = 0), then the factors take
-        g; the basis is their eigenvectors at t = 0 and turns by a power iteration after every
-        precondition_frequency-th Adam step."""
+    def soap_direction(self, s, g, sides):
+        """SOAP's Adam step number t in the basis of the block's earlier gradients, then the factors take
+        g. The basis is their eigenvectors at the block's first nonzero gradient (t = 0, no step) and
+        turns by a power iteration after every precondition_frequency-th Adam step."""
         hp, (b1, b2) = self.hp, self.hp["betas"]
+        t = s["T"] + 1 if "T" in s else 0
         direction = None
         if t > 0:
             rot = (lambda x: s["Q0"].T @ x @ s["Q1"]) if g.ndim == 2 else (lambda x: s["Q0"].T @ x)
@@ -201,12 +202,14 @@ class RefBlockwise:
             direction = unrot((rot(s["M"]) / (1 - b1 ** t)) / ((s["V"] / (1 - b2 ** t)).sqrt() + hp["eps"]))
         for d, gram in enumerate(sides):
             s[f"F{d}"] = b2 * s.get(f"F{d}", 0) + (1 - b2) * gram
-            if t == 0:
+            if t == 0 and g.abs().max() > 0:
                 s[f"Q{d}"] = torch.linalg.eigh(s[f"F{d}"])[1]
-            elif t % hp["precondition_frequency"] == 0:  # one power iteration from the sorted basis
+            elif t > 0 and t % hp["precondition_frequency"] == 0:  # one power iteration from the sorted basis
                 order = torch.argsort(torch.diag(s[f"Q{d}"].T @ s[f"F{d}"] @ s[f"Q{d}"]), descending=True)
                 s["V"] = s["V"].index_select(d, order)
                 s[f"Q{d}"] = torch.linalg.qr(s[f"F{d}"] @ s[f"Q{d}"][:, order]).Q
+        if "Q0" in s:
+            s["T"] = t
         return direction
 
 
@@ -226,7 +229,8 @@ def test_update_matches_float64_reference(kind, hp, factory):
     opt = {"shampoo": tg.Shampoo, "soap": tg.SOAP, "adamw": tg.AdamW}[kind](ps, **hp)
     ref = RefBlockwise(opt, ps, kind, hp)
     for step in range(STEPS):
-        grads = [grad(0, step, i, p.shape) for i, p in enumerate(ps)]
+        # the second parameter's first gradient is zero, as behind a zero-initialized weight
+        grads = [grad(0, step, i, p.shape) * (step > 0 or i != 1) for i, p in enumerate(ps)]
         for p, g in zip(ps, grads):
             p.grad = g
         opt.step()
@@ -243,15 +247,26 @@ def test_update_matches_float64_reference(kind, hp, factory):
 
 
 def test_soap_first_step_only_builds_the_basis():
-    """No update (and no decay) at the first step; the second moves every block, in the basis of the
-    first gradient (which the factors took after it was used)."""
+    """No update (and no decay) at a block's first step with a nonzero gradient; the next one moves it,
+    in the basis of that gradient (which the factors took after it was used). A block whose gradient is
+    still zero has no basis yet."""
     ps = square_params()
     opt = tg.SOAP(ps, **dict(SOAP_HP, max_dim=D))
+    late = {i for i, b in enumerate(opt.blocks) if b.param == 1}
+    grads = lambda s, i, shape: grad(0, s, i, shape) * (s > 0 or i != 1)  # noqa: E731
+
+    def moved():
+        return [not torch.equal(p, b) for p, b in zip(ps, before)]
+
     before = [p.detach().clone() for p in ps]
-    run(opt, ps, [0], lambda s, i, shape: grad(0, s, i, shape))
-    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+    run(opt, ps, [0], grads)
+    assert moved() == [False, False, False]
+    assert all((state["basis0"].abs().sum() > 0) == (i not in late) for i, state in opt.state.items())
+    assert all(int(state["adam_steps"]) == (-1 if i in late else 0) for i, state in opt.state.items())
+    run(opt, ps, [1], grads)
+    assert moved() == [True, False, True]
     assert all(state["basis0"].abs().sum() > 0 for state in opt.state.values())
-    run(opt, ps, [1], lambda s, i, shape: grad(0, s, i, shape))
+    run(opt, ps, [2], grads)
     for p, b in zip(ps, before):
         assert (p - b).abs().amax(dim=-1).min() > 0  # every row of every block moved
 
@@ -391,7 +406,8 @@ def test_reference_comparison_has_power(kind):
     ref = RefBlockwise(opt, ps, kind, hp)
     worst = 0.0
     for step in range(STEPS):
-        grads = [grad(0, step, i, p.shape) for i, p in enumerate(ps)]
+        # the second parameter's first gradient is zero, as behind a zero-initialized weight
+        grads = [grad(0, step, i, p.shape) * (step > 0 or i != 1) for i, p in enumerate(ps)]
         for p, g in zip(ps, grads):
             p.grad = g
         opt.step()
