@@ -1858,12 +1858,22 @@ class BlockOptimizer:
         return {"name": self.name, "step": self.step_count, "blocks": state}
 
     def load_state_dict(self, state):
-        if state.get("name") != self.name or any(i >= len(self.blocks) for i in state["blocks"]):
+        if state.get("name") != self.name or any(i >= len(self.blocks) or not self._fits(i, s)
+                                                 for i, s in state["blocks"].items()):
             raise ValueError(f"{self.name} state does not match this optimizer and model")
         self.step_count = state["step"]
         device = self.params[0].device
         self.state = {i: {k: v.to(device) for k, v in state["blocks"][i].items()}
                       for i in self.rank_blocks[self.rank] if i in state["blocks"]}
+
+
+    def _fits(self, i, block_state):
+        """Whether a saved block state has the entries and shapes this optimizer makes for block i
+        (a checkpoint of another version of the script may not)."""
+        block = self.blocks[i]
+        expected = self._new_state(torch.empty(block.of(self.params[block.param]).shape, device="meta"))
+        return block_state.keys() == expected.keys() and \
+            all(block_state[k].shape == expected[k].shape for k in expected)
 
 
 class FactoredOptimizer(BlockOptimizer):
@@ -2407,7 +2417,10 @@ class Trainer:
         stale = remove_stale_temp_files(Path(path).parent) if self.rank == 0 else []
         if stale:
             self.log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in {Path(path).parent}")
-        self.restore(snap)
+        try:
+            self.restore(snap)
+        except ValueError as e:  # an optimizer state of another shape (possible with --force)
+            raise ConfigError(f"{path}: {e}; resume it with the script that wrote it") from None
         moved = f" (written by {snap['world_size']} processes, continued on {self.world_size})" \
             if snap["world_size"] != self.world_size else ""
         self.log(f"resumed from {path} at step {self.step}{moved}")

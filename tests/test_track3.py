@@ -358,6 +358,12 @@ def test_state_roundtrip_continues_exactly(kind):
     assert all(torch.equal(a, b) for a, b in zip(ps, ps2))
     with pytest.raises(ValueError, match="does not match"):
         make("soap" if kind != "soap" else "adamw", params()).load_state_dict(state)
+    # a state of another version of the script: an entry missing, or a block of another shape
+    first = min(state["blocks"])
+    for broken in ({k: v for k, v in list(state["blocks"][first].items())[1:]},
+                   {k: v[..., :-1] if v.ndim else v for k, v in state["blocks"][first].items()}):
+        with pytest.raises(ValueError, match="does not match"):
+            make(kind, params()).load_state_dict(dict(state, blocks={**state["blocks"], first: broken}))
 
 
 def _worker(rank, world, port, out_dir, kind):
