@@ -445,6 +445,15 @@ def test_matrix_optimizer_trains_and_resumes_exactly_in_one_process(corpus, tmp_
     assert code == 0, err
     assert resumed == [(s, v) for s, v in full if s >= 4]  # full float precision
     assert full[-1][1] < full[0][1] - 0.5  # and it learns (8 steps; SOAP's first only builds its basis)
+    # a checkpoint whose optimizer state lacks an entry (as from an older script) is refused with --force too
+    snap = tg.load_checkpoint(tmp_path / "checkpoints" / "full" / "step_000004.pt")
+    for block in snap["matrix"]["blocks"].values():
+        block.pop(next(iter(block)))
+    old = tmp_path / "old.pt"
+    tg.save_checkpoint(old, snap)
+    _, code, err = run_main([*base, "--resume", old, "--force", "--run_id", "old"], capsys)
+    torch.set_num_threads(threads)
+    assert code == 2 and err.count("\n") == 1 and str(old) in err and "does not match" in err, err
 
 
 @pytest.mark.slow
