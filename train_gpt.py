@@ -1850,7 +1850,8 @@ class BlockOptimizer:
 
     def state_dict(self):
         """Every block's state (all ranks' gathered, keyed by block index: the same at any world size)."""
-        state = {i: {k: v.cpu().clone() for k, v in s.items()} for i, s in self.state.items()}
+        state = {i: {k: v.cpu().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                 for i, s in self.state.items()}
         if self.world_size > 1:
             parts = [None] * self.world_size
             dist.all_gather_object(parts, state)
@@ -1863,9 +1864,8 @@ class BlockOptimizer:
             raise ValueError(f"{self.name} state does not match this optimizer and model")
         self.step_count = state["step"]
         device = self.params[0].device
-        self.state = {i: {k: v.to(device) for k, v in state["blocks"][i].items()}
+        self.state = {i: {k: v.to(device) if torch.is_tensor(v) else v for k, v in state["blocks"][i].items()}
                       for i in self.rank_blocks[self.rank] if i in state["blocks"]}
-
 
     def _fits(self, i, block_state):
         """Whether a saved block state has the entries and shapes this optimizer makes for block i
@@ -1873,7 +1873,7 @@ class BlockOptimizer:
         block = self.blocks[i]
         expected = self._new_state(torch.empty(block.of(self.params[block.param]).shape, device="meta"))
         return block_state.keys() == expected.keys() and \
-            all(block_state[k].shape == expected[k].shape for k in expected)
+            all(getattr(block_state[k], "shape", None) == getattr(expected[k], "shape", None) for k in expected)
 
 
 class FactoredOptimizer(BlockOptimizer):
@@ -1943,15 +1943,16 @@ class SOAP(FactoredOptimizer):
     name, derived, second = "soap", "basis", "second"
 
     def _new_state(self, grad):
-        # -1: no basis yet. A block behind a zero-initialized weight (Q, K, V behind O, the MLP's input
-        # behind its output) has an exactly zero first gradient; a basis built from a zero factor would
-        # be arbitrary, and power iterations every few steps would take most of the run to repair it.
-        return dict(super()._new_state(grad), adam_steps=torch.tensor(-1))
+        # adam_steps: a Python int (reading it never waits for a GPU); -1 while the block has no basis.
+        # A block behind a zero-initialized weight (Q, K, V behind O, the MLP's input behind its output)
+        # has an exactly zero first gradient; a basis built from a zero factor would be arbitrary, and
+        # power iterations every few steps would take most of the run to repair it.
+        return dict(super()._new_state(grad), adam_steps=-1)
 
     def direction(self, i, grad):
         beta1, beta2 = self.param_groups[0]["betas"]
         state = self._block_state(i, grad)
-        steps = int(state["adam_steps"])
+        steps = state["adam_steps"]
         t = steps + 1 if steps >= 0 else 0  # this step's Adam step number (0: building the basis)
         update = self._adam_in_basis(state, grad, t, beta1, beta2) if t > 0 else None
         for d in range(grad.ndim):
@@ -1961,7 +1962,7 @@ class SOAP(FactoredOptimizer):
             elif t > 0 and t % self.frequency == 0:
                 self._turn_basis(state, factor, d)
         if t > 0 or grad.any():
-            state["adam_steps"].fill_(t)
+            state["adam_steps"] = t
         return update
 
     def _turn_basis(self, state, factor, d):
