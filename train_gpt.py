@@ -1954,15 +1954,16 @@ class SOAP(FactoredOptimizer):
         state = self._block_state(i, grad)
         steps = state["adam_steps"]
         t = steps + 1 if steps >= 0 else 0  # this step's Adam step number (0: building the basis)
+        if t == 0 and not grad.any():
+            return None  # still no basis (a zero gradient leaves the zero factors as they are)
         update = self._adam_in_basis(state, grad, t, beta1, beta2) if t > 0 else None
         for d in range(grad.ndim):
             factor = self._accumulate_factor(state, grad, d, beta2)
-            if t == 0 and grad.any():
+            if t == 0:
                 state[f"basis{d}"].copy_(symmetric_eigh(factor)[1])
-            elif t > 0 and t % self.frequency == 0:
+            elif t % self.frequency == 0:
                 self._turn_basis(state, factor, d)
-        if t > 0 or grad.any():
-            state["adam_steps"] = t
+        state["adam_steps"] = t
         return update
 
     def _turn_basis(self, state, factor, d):
