@@ -50,6 +50,12 @@ def grad(rank, step, index, shape):
     return torch.randn(shape, generator=gen)
 
 
+def grad_late(step, index, shape):
+    """grad() of one process, except that parameter 1's first gradient is zero, as behind a
+    zero-initialized weight."""
+    return grad(0, step, index, shape) * (step > 0 or index != 1)
+
+
 def make(name, ps):
     return {"shampoo": lambda: tg.Shampoo(ps, **SHAMPOO), "soap": lambda: tg.SOAP(ps, **SOAP_HP),
             "adamw": lambda: tg.AdamW(ps, **ADAMW_HP)}[name]()
@@ -229,8 +235,7 @@ def test_update_matches_float64_reference(kind, hp, factory):
     opt = {"shampoo": tg.Shampoo, "soap": tg.SOAP, "adamw": tg.AdamW}[kind](ps, **hp)
     ref = RefBlockwise(opt, ps, kind, hp)
     for step in range(STEPS):
-        # the second parameter's first gradient is zero, as behind a zero-initialized weight
-        grads = [grad(0, step, i, p.shape) * (step > 0 or i != 1) for i, p in enumerate(ps)]
+        grads = [grad_late(step, i, p.shape) for i, p in enumerate(ps)]
         for p, g in zip(ps, grads):
             p.grad = g
         opt.step()
@@ -253,20 +258,19 @@ def test_soap_first_step_only_builds_the_basis():
     ps = square_params()
     opt = tg.SOAP(ps, **dict(SOAP_HP, max_dim=D))
     late = {i for i, b in enumerate(opt.blocks) if b.param == 1}
-    grads = lambda s, i, shape: grad(0, s, i, shape) * (s > 0 or i != 1)  # noqa: E731
 
     def moved():
         return [not torch.equal(p, b) for p, b in zip(ps, before)]
 
     before = [p.detach().clone() for p in ps]
-    run(opt, ps, [0], grads)
+    run(opt, ps, [0], grad_late)
     assert moved() == [False, False, False]
     assert all((state["basis0"].abs().sum() > 0) == (i not in late) for i, state in opt.state.items())
     assert all(state["adam_steps"] == (-1 if i in late else 0) for i, state in opt.state.items())
-    run(opt, ps, [1], grads)
+    run(opt, ps, [1], grad_late)
     assert moved() == [True, False, True]
     assert all(state["basis0"].abs().sum() > 0 for state in opt.state.values())
-    run(opt, ps, [2], grads)
+    run(opt, ps, [2], grad_late)
     for p, b in zip(ps, before):
         assert (p - b).abs().amax(dim=-1).min() > 0  # every row of every block moved
 
@@ -412,8 +416,7 @@ def test_reference_comparison_has_power(kind):
     ref = RefBlockwise(opt, ps, kind, hp)
     worst = 0.0
     for step in range(STEPS):
-        # the second parameter's first gradient is zero, as behind a zero-initialized weight
-        grads = [grad(0, step, i, p.shape) * (step > 0 or i != 1) for i, p in enumerate(ps)]
+        grads = [grad_late(step, i, p.shape) for i, p in enumerate(ps)]
         for p, g in zip(ps, grads):
             p.grad = g
         opt.step()
