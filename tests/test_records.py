@@ -77,7 +77,7 @@ def make_log(path, final_loss=3.28, script=SCRIPT, n=2035, val_every=250, step_m
     return path
 
 
-OLD_ARGS = "--preset cpu --seed 0 --train_files /work/main/data/novels/novels_train_*.bin"
+OLD_ARGS = "--preset cpu --seed 0 --train_files /data/example/novels/novels_train_*.bin"
 
 
 def old_log(path, **kw):
