@@ -44,14 +44,18 @@ Usage: ``python records/records.py {extract,replay,diff,stats,plot} --help``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import hashlib
+import io
 import json
 import math
 import os
 import re
+import secrets
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import warnings
@@ -85,6 +89,43 @@ class UsageError(RecordError):
 
 def warn(message: str) -> None:
     print(f"records.py: warning: {message}", file=sys.stderr, flush=True)
+
+
+def write_output(path, data: bytes) -> None:
+    """Write data to the file at path, all of it or nothing.
+
+    A regular file (or a new one) is written to a unique temporary file in the same folder,
+    fsynced and renamed over it (a link is followed; an existing file keeps its mode), so a
+    failure leaves no partial or empty file and the old file untouched. Anything else (a
+    device such as /dev/stdout or /dev/full, a pipe) is written directly. Any OSError is a
+    RecordError `cannot write PATH: REASON`.
+    """
+    try:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            with open(path, "wb") as f:
+                f.write(data)
+            return
+        folder, name = os.path.split(os.path.realpath(path))
+        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(6)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with open(fd, "wb") as f:
+                if st is not None:
+                    os.fchmod(f.fileno(), stat.S_IMODE(st.st_mode))
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(folder, name))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise RecordError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 # ---------------------------------------------------------------------------------------
@@ -665,7 +706,8 @@ def _parser() -> argparse.ArgumentParser:
                        description="Plot val loss against train time and against step "
                                    "(two subplots), one labelled line per run.")
     q.add_argument("paths", nargs="+", metavar="PATH", help="log files or folders of logs")
-    q.add_argument("-o", "--output", required=True, metavar="FILE.png", help="image to write")
+    q.add_argument("-o", "--output", required=True, metavar="FILE.png",
+                   help="image to write (its format from the name's ending, png if none)")
     q.add_argument("--target", type=float, default=DEFAULT_TARGET,
                    help=f"draw a dashed line at this loss (default {DEFAULT_TARGET})")
     q.add_argument("--ylim", type=float, nargs=2, default=None, metavar=("LO", "HI"),
@@ -681,10 +723,7 @@ def _run(args, extra) -> int:
         parts = read_log(log)
         verify_script(log, parts)
         if args.output:
-            try:
-                Path(args.output).write_bytes(parts.script)
-            except OSError as e:
-                raise RecordError(f"{args.output}: cannot write ({e.strerror or e})") from None
+            write_output(args.output, parts.script)
         else:
             sys.stdout.flush()
             sys.stdout.buffer.write(parts.script)
@@ -710,11 +749,20 @@ def _run(args, extra) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise RecordError("plot needs matplotlib: pip install matplotlib") from None
+        if args.ylim is not None and not all(math.isfinite(v) for v in args.ylim):
+            raise UsageError(f"--ylim needs two finite numbers, got {args.ylim[0]:g} {args.ylim[1]:g}")
         fig = plot_runs(args.paths, target=args.target, ylim=args.ylim, labels=args.labels)
+        fmt = Path(args.output).suffix[1:].lower() or "png"  # e.g. /dev/full: png
+        supported = fig.canvas.get_supported_filetypes()
+        if fmt not in supported:
+            raise UsageError(f"-o {args.output}: unknown image format '.{fmt}'; "
+                             f"use a name ending in one of .{', .'.join(sorted(supported))}")
+        image = io.BytesIO()  # drawn in memory first: a failure leaves no file behind
         try:
-            fig.savefig(args.output, dpi=120)
-        except (OSError, ValueError) as e:
-            raise RecordError(f"{args.output}: cannot write image ({e})") from None
+            fig.savefig(image, format=fmt, dpi=120)
+        except ValueError as e:
+            raise RecordError(f"cannot draw {args.output} ({e})") from None
+        write_output(args.output, image.getvalue())
         print(f"wrote {args.output}", file=sys.stderr)
         return 0
     raise UsageError(f"unknown command {args.cmd}")

@@ -384,6 +384,90 @@ def test_plot_one_curve_per_run(tmp_path):
         rec.plot_runs([d, extra], labels=["a", "b"])
 
 
+def _only(folder, *names):
+    """The folder holds exactly these files (no temporary or partial file left behind)."""
+    assert sorted(p.name for p in folder.iterdir()) == sorted(names)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize("cmd", ["plot", "extract"])
+def test_write_to_dev_full_is_one_error(tmp_path, capsys, cmd):
+    """A device refuses the bytes (ENOSPC at write or close): exit 2, one line, no `wrote`."""
+    if cmd == "plot":
+        pytest.importorskip("matplotlib")
+    log = make_log(tmp_path / "a.txt", n=4, val_every=2)
+    assert rec.main([cmd, str(log), "-o", "/dev/full"]) == 2
+    cap = capsys.readouterr()
+    assert cap.err == "records.py: error: cannot write /dev/full: No space left on device\n"
+    assert cap.out == ""
+
+
+def test_plot_into_an_unwritable_folder(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    log = make_log(tmp_path / "a.txt", n=4, val_every=2)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        if os.access(locked, os.W_OK):  # root writes anyway
+            pytest.skip("this user can write into a read-only folder")
+        out = locked / "p.png"
+        assert rec.main(["plot", str(log), "-o", str(out)]) == 2
+        assert capsys.readouterr().err == f"records.py: error: cannot write {out}: Permission denied\n"
+        _only(locked)
+    finally:
+        locked.chmod(0o755)
+
+
+def test_plot_into_a_file_as_folder(tmp_path, capsys):
+    """A folder that cannot be written into even by root: its name is a file."""
+    pytest.importorskip("matplotlib")
+    log = make_log(tmp_path / "a.txt", n=4, val_every=2)
+    out = log / "p.png"
+    assert rec.main(["plot", str(log), "-o", str(out)]) == 2
+    assert capsys.readouterr().err == f"records.py: error: cannot write {out}: Not a directory\n"
+    _only(tmp_path, "a.txt")
+
+
+@pytest.mark.parametrize("cmd", ["plot", "extract"])
+def test_failed_write_keeps_the_old_file(tmp_path, capsys, monkeypatch, cmd):
+    """The disk fills up while the new file is written: the old one is untouched, no temporary
+    file stays; when the write succeeds the file is replaced and keeps its mode."""
+    if cmd == "plot":
+        pytest.importorskip("matplotlib")
+    log = make_log(tmp_path / "a.txt", n=4, val_every=2)
+    out = tmp_path / "out" / ("p.png" if cmd == "plot" else "s.py")
+    out.parent.mkdir()
+    out.write_bytes(b"old")
+    out.chmod(0o640)
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(rec.os, "fsync", full)
+        assert rec.main([cmd, str(log), "-o", str(out)]) == 2
+    assert capsys.readouterr().err == f"records.py: error: cannot write {out}: No space left on device\n"
+    assert out.read_bytes() == b"old"
+    _only(out.parent, out.name)
+    assert rec.main([cmd, str(log), "-o", str(out)]) == 0
+    data = out.read_bytes()
+    assert data == SCRIPT.encode() if cmd == "extract" else data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.stat().st_mode & 0o777 == 0o640
+    _only(out.parent, out.name)
+    assert capsys.readouterr().err == (f"wrote {out}\n" if cmd == "plot" else "")
+
+
+def test_plot_bad_format_or_limits(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    log = make_log(tmp_path / "a.txt", n=4, val_every=2)
+    assert rec.main(["plot", str(log), "-o", str(tmp_path / "p.xyz")]) == 2
+    one_error_line(capsys.readouterr().err, "-o", "p.xyz", ".png")
+    assert rec.main(["plot", str(log), "-o", str(tmp_path / "p.png"), "--ylim", "nan", "8"]) == 2
+    one_error_line(capsys.readouterr().err, "--ylim", "finite")
+    _only(tmp_path, "a.txt")
+
+
 # --------------------------------------------------------------------------- replay: the command
 
 def no_gpu():
