@@ -32,11 +32,13 @@ In code (the trainer side)::
     f.write("=" * 100 + "\\n")
     ...                                # run output, one line per print
 
-``extract`` returns every byte before the first separator line, so for a source that ends
-with a newline the extracted script is byte-for-byte the trainer's source; ``extract`` and
-``replay`` check it against ``script_sha256``. Step lines are parsed from everything after
-the first separator. The final validation loss of a run is the last ``val_loss`` step line;
-the run's train time is that line's ``train_time``.
+Every command first checks that a log has both separator lines (``split_log``); a file cut
+before its second one (it records neither ``script_sha256`` nor the arguments) is refused as
+truncated or not a log of this trainer. ``extract`` returns every byte before the first
+separator line, so for a source that ends with a newline the extracted script is
+byte-for-byte the trainer's source; ``extract`` and ``replay`` check it against
+``script_sha256``. Step lines are parsed from the run output. The final validation loss of a
+run is the last ``val_loss`` step line; the run's train time is that line's ``train_time``.
 
 Usage: ``python records/records.py {extract,replay,diff,stats,plot} --help``.
 """
@@ -161,14 +163,9 @@ def is_log(data: bytes) -> bool:
     return bool(_separators(data, limit=1))
 
 
-def _split(data: bytes, path) -> tuple[bytes, bytes]:
-    """Split a log into (script bytes, bytes after the first separator line)."""
-    seps = _separators(data, limit=1)
-    if not seps:
-        raise RecordError(f"{path}: no separator line of 100 '=' (not a speedrun log, "
-                          f"or cut short inside its script)")
-    (start, end), = seps
-    return data[:start], data[end:]
+def _not_a_log(path, why: str) -> RecordError:
+    return RecordError(f"{path}: truncated or not a log of this trainer ({why}); use a complete log "
+                       f"as train_gpt.py wrote it (logs/<run_id>.txt, or a record folder)")
 
 
 @dataclass
@@ -176,20 +173,26 @@ class LogParts:
     """A log split at its separator lines (see the module docstring)."""
 
     script: bytes
-    environment: str  # part 3 (the rest of the file if there is no second separator)
-    output: str  # part 5 ("" if there is no second separator)
+    environment: str  # part 3
+    output: str  # part 5
 
 
 def split_log(data: bytes, path) -> LogParts:
-    script, rest = _split(data, path)
-    seps = _separators(rest, limit=1)
-    if seps:
-        (start, end), = seps
-        env, out = rest[:start], rest[end:]
-    else:
-        env, out = rest, b""
-    return LogParts(script, env.decode("utf-8", errors="replace"),
-                    out.decode("utf-8", errors="replace"))
+    """Split a log at its two separator lines: the one check of a log's structure that every
+    command makes. A file with fewer than two is refused (one line, naming the file)."""
+    seps = _separators(data, limit=2)
+    if not seps:
+        raise _not_a_log(path, "no separator line of 100 '='")
+    if len(seps) == 1:
+        if _EMBEDDED_SHA_RE.search(data[:seps[0][0]]):
+            # the environment's sha line sits inside the "script": the first separator line was cut
+            raise RecordError(f"{path}: the script is cut short inside a line (its separator line is "
+                              f"damaged, so it cannot be verified); the log is cut short or edited")
+        raise _not_a_log(path, "it ends before the second line of 100 '=' that closes the "
+                               "environment block, so it records no script_sha256 and no arguments")
+    (s1, e1), (s2, e2) = seps
+    return LogParts(data[:s1], data[e1:s2].decode("utf-8", errors="replace"),
+                    data[e2:].decode("utf-8", errors="replace"))
 
 
 def read_log(path) -> LogParts:
@@ -216,10 +219,6 @@ def verify_script(path, parts: LogParts | None = None, quiet: bool = False) -> b
     """
     parts = read_log(path) if parts is None else parts
     expected = recorded_sha256(parts, path)
-    if expected is None and _EMBEDDED_SHA_RE.search(parts.script):
-        # the environment's sha line sits inside the "script": the first separator line was cut
-        raise RecordError(f"{path}: the script is cut short inside a line (its separator line is "
-                          f"damaged, so it cannot be verified); the log is cut short or edited")
     if expected is None:
         if not quiet:
             warn(f"{path} has no script_sha256 line; cannot verify the script")
@@ -285,7 +284,7 @@ def replay_args(recorded, extra=()) -> list[str]:
 
 def extract_script_bytes(path) -> bytes:
     """The script part of a log, byte for byte (not verified; see verify_script)."""
-    return _split(_read_bytes(Path(path)), path)[0]
+    return read_log(path).script
 
 
 def extract_script(path) -> str:
@@ -333,10 +332,9 @@ class Run:
 
 
 def parse_log(path) -> Run:
-    """Parse a log; errors if it has no separator or no validation line."""
+    """Parse a log; errors if it fails split_log's check or has no validation line."""
     path = Path(path)
-    _, run_part = _split(_read_bytes(path), path)
-    text = run_part.decode("utf-8", errors="replace")
+    text = read_log(path).output
     run = Run(path=path)
     for m in _VAL_RE.finditer(text):
         try:
@@ -386,13 +384,23 @@ def first_log(path) -> Path:
 def script_of(path) -> tuple[Path, bytes]:
     """(name, script) for a log, a record folder (its first log) or a plain script file.
 
-    A file is a log if it has a separator line of 100 '=', else it is taken as a script.
+    A file with a separator line of 100 '=' is a log (checked like any log); a file without
+    one is a script only if its name ends in .py and it is UTF-8 text.
     """
     path = Path(path)
     if path.is_dir():
         path = first_log(path)
     data = _read_bytes(path)
-    return path, (_split(data, path)[0] if is_log(data) else data)
+    if is_log(data):
+        return path, split_log(data, path).script
+    if path.suffix != ".py":
+        raise _not_a_log(path, "no separator line of 100 '='; a plain script must be a .py file")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RecordError(f"{path}: not UTF-8 text, so not a script; give a .py script, a log "
+                          f"or a record folder") from None
+    return path, data
 
 
 def script_diff(a, b, context: int = 3) -> str:
@@ -681,7 +689,7 @@ def _parser() -> argparse.ArgumentParser:
     q = sub.add_parser("diff", help="unified diff of two scripts",
                        description="Unified diff of the scripts of A and B. Each is a log, a "
                                    "record folder (its first log by name) or a plain script "
-                                   "such as train_gpt.py (a file with no line of 100 '=').")
+                                   "such as train_gpt.py (a .py file with no line of 100 '=').")
     q.add_argument("a", metavar="A")
     q.add_argument("b", metavar="B")
     q.add_argument("-U", "--context", type=int, default=3, metavar="N",

@@ -204,6 +204,68 @@ def test_malformed_sha_line_is_an_error(tmp_path, capsys):
     one_error_line(capsys.readouterr().err, str(log), "script_sha256")
 
 
+# --------------------------------------------------------------------------- truncated or not a log
+
+def _cut_after_script(data, script):
+    return data[: len(script) + len(SEP) + 1]  # the script and its separator line, nothing else
+
+
+def _cut_inside_environment(data, script):
+    return data[: data.index(b"script_sha256")]  # the environment's first lines only
+
+
+def _cut_before_second_separator(data, script):
+    return data[: data.index((SEP + "\n").encode(), len(script) + 1)]  # sha line kept, no 2nd separator
+
+
+NOT_LOGS = {
+    "cut_after_script": _cut_after_script,
+    "cut_inside_environment": _cut_inside_environment,
+    "cut_before_second_separator": _cut_before_second_separator,
+    "binary_garbage": lambda data, script: bytes(range(256)) * 16 + b"\x00\xff" * 512,
+    "empty": lambda data, script: b"",
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_LOGS))
+@pytest.mark.parametrize("cmd", ["extract", "replay", "diff", "stats"])
+def test_truncated_or_foreign_file_is_refused(tmp_path, capsys, cmd, case):
+    """Every command refuses, in one line, a file that is not a whole log: replay never runs a
+    script that it cannot check, with no arguments; diff does not compare half a log."""
+    marker = tmp_path / "ran.txt"
+    script = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+    good = make_log(tmp_path / "good.txt", script=script, n=4, val_every=2)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(NOT_LOGS[case](good.read_bytes(), script))
+    argv = {"extract": ["extract", str(bad)],
+            "replay": ["replay", "--nproc", "0", "--dir", str(tmp_path), str(bad)],
+            "diff": ["diff", str(good), str(bad)],
+            "stats": ["stats", str(bad)]}[cmd]
+    assert rec.main(argv) == 2
+    cap = capsys.readouterr()
+    one_error_line(cap.err, str(bad), "truncated or not a log of this trainer", "complete log")
+    assert cap.out == "" and not marker.exists() and not list(tmp_path.glob(".replay_*"))
+
+
+def test_diff_plain_script_must_be_python_text(tmp_path, capsys):
+    """Without a separator line only a .py file of UTF-8 text is a script: not a log cut inside
+    its script, not binary data with a .py name; an empty .py is an (empty) script."""
+    log = make_log(tmp_path / "a.txt", n=4, val_every=2)
+    cut = tmp_path / "cut.txt"
+    cut.write_bytes(log.read_bytes()[: len(SCRIPT) // 2])
+    assert rec.main(["diff", str(log), str(cut)]) == 2
+    one_error_line(capsys.readouterr().err, str(cut), "truncated or not a log", ".py file")
+    garbage = tmp_path / "garbage.py"
+    garbage.write_bytes(b"\xff\xfe\x00binary" * 100)
+    assert rec.main(["diff", str(garbage), str(log)]) == 2
+    one_error_line(capsys.readouterr().err, str(garbage), "not UTF-8 text")
+    empty = tmp_path / "empty.py"
+    empty.write_bytes(b"")
+    assert rec.main(["diff", str(empty), str(log)]) == 0
+    added = [l for l in capsys.readouterr().out.splitlines()[2:] if l.startswith("+")]
+    assert added == ["+" + l for l in SCRIPT.splitlines()]
+
+
 # --------------------------------------------------------------------------- stats
 
 def test_stats_reference_numbers(tmp_path, capsys):
