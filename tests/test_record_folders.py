@@ -71,3 +71,19 @@ def test_committed_logs_name_no_machine_path(log):
     words = [*args, *(w for line in data_lines for w in line.split())]
     absolute = [w for w in words if w.startswith("/") or re.match(r"[A-Za-z]:[\\/]", w)]
     assert not absolute, f"{log}: names machine paths {absolute}"
+
+
+MACHINE_PATH = re.compile(r"/(?:work|home|root|tmp)/")  # the build machine's folders; fixtures use /data/example/
+TEXT_FILES = sorted(p for top in ("records", "tests") for p in (ROOT / top).rglob("*")
+                    if p.suffix in {".py", ".md", ".json", ".sh", ".toml", ".cfg", ".yaml", ".yml"}
+                    and "__pycache__" not in p.parts)
+
+
+def test_text_files_name_no_machine_path():
+    """Scripts, READMEs and fixtures under records/ and tests/ use invented paths (the logs, which
+    must stay unedited, are checked above for their arguments and data paths)."""
+    assert TEXT_FILES
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in TEXT_FILES
+             for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+             if MACHINE_PATH.search(line)]
+    assert not found, f"machine paths in {found}"
