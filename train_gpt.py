@@ -2,10 +2,12 @@
 
 One file on purpose: records copy it verbatim. The sections follow one batch: configuration ->
 data (shards, the BOS-aligned loader) -> model -> head (FP8 matmul, softcapped loss) -> CPU fallbacks
-(chosen once in build_model) -> optimizers (Polar Express, NorMuon, DistAdam) -> track-3 optimizers
-(Shampoo, SOAP, AdamW) and make_optimizers -> schedules -> training loop (Trainer) -> main().
+(attention and loss chosen once in build_model, Polar Express's fp32 path in make_optimizers) ->
+optimizers (Polar Express, NorMuon, DistAdam; make_optimizers) -> track-3 optimizers (Shampoo, SOAP,
+AdamW, registered in TRACK3_OPTIMIZERS) -> schedules -> training loop (Trainer) -> main().
 Run with `./run.sh` (torchrun over all GPUs) or `python train_gpt.py --preset cpu`.
-Importing this module has no side effects; main() runs only under __main__.
+Importing this module registers two torch ops (speedrun::mm_fp8 and speedrun::mm_fp8_backward) and
+does nothing else; main() runs only under __main__.
 """
 
 import argparse
@@ -102,9 +104,10 @@ class Hyperparameters:
     shampoo_precondition_frequency: int = hp_field(5, "Shampoo: steps between inverse-root refreshes")
     shampoo_graft_beta2: float = hp_field(0.95, "Shampoo: second-moment decay of the Adam grafting")
     shampoo_graft_eps: float = hp_field(1e-10, "Shampoo: epsilon of the Adam grafting")
-    shampoo_max_dim: int = hp_field(8192, "Shampoo and SOAP: largest preconditioner dimension (blocks are cut to it)")
-    shampoo_state_dtype: str = hp_field("fp32", "Shampoo and SOAP: dtype of the stored factors and roots/bases: fp32, bf16")
-    shampoo_cost: str = hp_field("bytes", "Shampoo and SOAP: block cost for the rank assignment: bytes, poly")
+    # the factored optimizers' blocks (Shampoo and SOAP; AdamW takes whole matrices)
+    factor_max_dim: int = hp_field(8192, "Shampoo and SOAP: largest factor dimension (blocks are cut to it)")
+    factor_dtype: str = hp_field("fp32", "Shampoo and SOAP: dtype of the stored factors and roots/bases: fp32, bf16")
+    factor_block_cost: str = hp_field("bytes", "Shampoo and SOAP: block cost for the rank assignment: bytes, poly")
     soap_lr: float = hp_field(0.003, "SOAP learning rate")
     soap_betas: tuple = hp_field((0.95, 0.95), "SOAP momentum and second-moment/factor decay")
     soap_wd: float = hp_field(0.01, "SOAP decoupled weight decay")
@@ -133,7 +136,7 @@ class Hyperparameters:
 
 PRESETS = {
     "record": {},
-    "cpu": dict(  # 2 CPU cores, ~500 s of training; tuned on the novels corpus (records/track_cpu)
+    "cpu": dict(  # 2 CPU cores, ~190 s of training (the track's budget is 500 s); tuned on the novels corpus (records/track_cpu)
         device="cpu",  # also where CUDA exists (add --device cuda to run it on a GPU)
         synthetic_fallback=True,
         val_tokens=65_536,
@@ -180,6 +183,9 @@ def build_arg_parser():
     )
     # one-line errors instead of the ~25-line usage that buries the message
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
+    # argparse reads only plain decimals like -1.5 as negative numbers; -1e-3 and -1:2 would count as
+    # flags ("expected one argument") instead of reaching the range checks with their messages
+    parser._negative_number_matcher = re.compile(r"^-\.?\d")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="record", help="named configuration (default: record)")
     for f in fields(Hyperparameters):
         default = f.default
@@ -207,14 +213,12 @@ def parse_args(argv=None):
     return hp
 
 
-MATRIX_OPTIMIZERS = ("normuon", "shampoo", "soap", "adamw")
-
 # (flags, test, what the test means): applied to every value of a tuple flag
 VALUE_RULES = [
     (("val_tokens", "val_batch_size", "vocab_size", "num_layers", "num_heads", "head_dim", "model_dim",
       "num_scheduled_iterations", "batch_sizes", "max_seq_len", "grad_accum_base", "window_block_tokens",
       "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "shampoo_lr", "shampoo_graft_eps",
-      "shampoo_precondition_frequency", "shampoo_max_dim", "soap_lr", "soap_eps", "soap_precondition_frequency",
+      "shampoo_precondition_frequency", "factor_max_dim", "soap_lr", "soap_eps", "soap_precondition_frequency",
       "adamw_lr", "adamw_eps"), lambda v: v > 0, "must be positive"),
     (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads",
       "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd", "adam_wd", "lr_multipliers",
@@ -260,15 +264,15 @@ def check_hyperparameters(hp):
     if hp.save_every % 2:
         raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
     for name, choices in (("device", ("auto", "cuda", "cpu")), ("matrix_optimizer", MATRIX_OPTIMIZERS),
-                          ("shampoo_state_dtype", ("fp32", "bf16")), ("shampoo_cost", ("bytes", "poly"))):
+                          ("factor_dtype", ("fp32", "bf16")), ("factor_block_cost", ("bytes", "poly"))):
         if getattr(hp, name) not in choices:
             raise ConfigError(f"--{name} must be one of {', '.join(choices)}, got {getattr(hp, name)!r}")
     if hp.fp8 not in ("auto", "on", "off"):
         raise ConfigError(f"--fp8 must be auto, on or off, got {hp.fp8!r}")
     if hp.profile and not _parse_profile_range(hp.profile):
         raise ConfigError(f"--profile must look like START:END with 0 <= START < END, got {hp.profile!r}")
-    if hp.run_id and not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", hp.run_id):
-        raise ConfigError(f"--run_id may hold letters, digits, '.', '_' and '-' (it names a file), got {hp.run_id!r}")
+    if hp.run_id and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", hp.run_id):
+        raise ConfigError(f"--run_id may hold letters, digits, '.', '_' and '-', not first (it names a file), got {hp.run_id!r}")
     layer_roles(hp.num_layers)  # raises ConfigError for depths without a valid layout
 
 
@@ -333,7 +337,11 @@ def read_shard(path, vocab_size=None, max_tokens=None):
                 raise DataError(f"{path}: {what} shard: header says {n} tokens ({expected} bytes) but the file has "
                                 f"{size} bytes; re-download or re-tokenize it")
             count = n if max_tokens is None else min(n, max_tokens)
-            tokens = np.frombuffer(f.read(2 * count), dtype="<u2")
+            data = f.read(2 * count)
+            if len(data) != 2 * count:
+                raise DataError(f"{path}: the shard shrank while it was read ({len(data)} of {2 * count} bytes); is "
+                                f"another process writing it?")
+            tokens = np.frombuffer(data, dtype="<u2")
     except OSError as e:
         raise DataError(f"{path}: cannot read shard ({e.strerror or e})") from None
     if vocab_size is not None and tokens.size and tokens.max() >= vocab_size:
@@ -347,6 +355,9 @@ def write_shard(path, tokens):
     """Write GPT-2 token ids as a .bin shard atomically: a unique temp file in the same folder,
     removed on failure, renamed into place on success."""
     tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
+        raise DataError(f"{path}: refusing to write a {tokens.ndim}-D array of {tokens.dtype}: tokens must be a 1-D "
+                        f"array of integer ids")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= GPT2_VOCAB_SIZE):
         bad = tokens.min() if tokens.min() < 0 else tokens.max()
         raise DataError(f"{path}: refusing to write token id {bad}: ids must be in [0, {GPT2_VOCAB_SIZE})")
@@ -568,7 +579,8 @@ def read_validation_tokens(pattern, count, vocab_size=None):
         parts.append(read_shard(path, vocab_size, max_tokens=count - have))
         have += parts[-1].size
     if have < count:
-        raise DataError(f"validation shards {pattern!r} hold {have} tokens; --val_tokens {count - 1} needs one more")
+        raise DataError(f"validation shards {pattern!r} hold {have} tokens, but --val_tokens {count - 1} needs {count} "
+                        f"(one more than the inputs: the last target); lower --val_tokens or add validation shards")
     return np.concatenate(parts)
 
 
@@ -832,7 +844,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, world_size=1, window_block_tokens=128):
+    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, window_block_tokens=128):
         super().__init__()
         self.roles = layer_roles(num_layers)
         self.num_layers = num_layers
@@ -852,7 +864,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(
             [Block(model_dim, num_heads, head_dim, has_attn=i != self.roles.attn_free) for i in range(num_layers)])
         self.rotary = Rotary(head_dim)
-        self.scalars = tag(nn.Parameter(initial_scalars(num_layers, world_size)), "scalars", lr_mul=5.0, wd_mul=0.0)
+        self.scalars = tag(nn.Parameter(initial_scalars(num_layers)), "scalars", lr_mul=5.0, wd_mul=0.0)
 
     def scalar_views(self):
         """Named views into the flat `scalars` parameter (layout of initial_scalars)."""
@@ -894,13 +906,11 @@ class GPT(nn.Module):
         return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training, self.use_fp8)
 
 
-def initial_scalars(num_layers, world_size):
+def initial_scalars(num_layers):
     """resid λ (1.1) x L, x0 λ (0) x L, attention λ pairs (0.5, 1.0) x L, smear λ 0, backout λ 0.5,
-    skip λ -1.5; padded with ones to a multiple of the world size so DistAdam can shard it."""
+    skip λ -1.5 (the reference pads them for its sharded Adam; DistAdam pads its own shards)."""
     n = num_layers
-    values = [1.1] * n + [0.0] * n + [0.5, 1.0] * n + [0.0, 0.5, -1.5]
-    values += [1.0] * (-len(values) % world_size)
-    return torch.tensor(values)
+    return torch.tensor([1.1] * n + [0.0] * n + [0.5, 1.0] * n + [0.0, 0.5, -1.5])
 
 # ----------------------------------------------------------------------------------------------
 # Head: the tied x @ W.T in FP8 (a custom op: e4m3 forward, e5m2 gradients, static scales) and the
@@ -1025,9 +1035,9 @@ def softcap_cross_entropy(x, weight, targets, training, use_fp8):
     return total / x.size(0)
 
 # ----------------------------------------------------------------------------------------------
-# CPU fallbacks, chosen once in build_model: FlexAttention has no CPU backward, so attention runs as
-# tiled SDPA with the same mask; the softcapped loss runs in chunks with gradients formed on the way;
-# Polar Express runs in fp32 (bf16 matmuls without native support are ~20x slower)
+# CPU fallbacks: FlexAttention has no CPU backward, so attention runs as tiled SDPA with the same mask;
+# the softcapped loss runs in chunks with gradients formed on the way (both chosen once in build_model);
+# Polar Express runs in fp32, as bf16 matmuls without native support are ~20x slower (make_optimizers)
 
 def local_window_mask(docs, window_tokens):
     """Queries in tiles of ATTN_BLOCK; each tile sees the window_tokens keys before it plus itself.
@@ -1138,12 +1148,11 @@ def check_fp8_device(hp, device):
         raise ConfigError("--fp8 on needs a CUDA device (the CPU path has no FP8 head); use --fp8 auto or off")
 
 
-def build_model(hp, world_size, device):
+def build_model(hp, device):
     """The model on `device`: the GPU paths (bf16 embeddings and gates as in the reference, FP8 head
     where supported or forced) on CUDA, the CPU fallbacks (fp32) on a CPU."""
     check_fp8_device(hp, device)
-    model = GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, world_size,
-                hp.window_block_tokens).to(device)
+    model = GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, hp.window_block_tokens).to(device)
     if device.type != "cuda":
         return use_cpu_fallbacks(model)
     for p in [model.lm_head.weight, *model.value_embeds, model.smear_gate_w,
@@ -1155,7 +1164,8 @@ def build_model(hp, world_size, device):
 
 # ----------------------------------------------------------------------------------------------
 # Optimizers: Polar Express orthogonalization (symmetric-product Triton kernels on GPU), NorMuon for
-# the hidden matrices and gates, sharded DistAdam for the embedding/head, value embeddings and scalars
+# the hidden matrices and gates, sharded DistAdam for the embedding/head, value embeddings and scalars,
+# and the record's wiring of them (make_optimizers, step_optimizers)
 
 def xxt_torch(X, out=None):
     """X @ X.mT for (m, n) or (batch, m, n)."""
@@ -1325,34 +1335,59 @@ def world_info():
     return (dist.get_rank(), dist.get_world_size()) if dist_ready() else (0, 1)
 
 
-class NorMuon:
+class ScheduledOptimizer:
+    """What the training loop asks of every optimizer: param_groups (dicts holding "params", "lr" and
+    "initial_lr"), set_schedule() before each step, step() after the step's last backward (it reduces
+    the gradients over the ranks itself), zero_grad(), and a state_dict() that does not depend on the
+    world size (collective when distributed) with its load_state_dict()."""
+
+    param_groups: list
+
+    def set_schedule(self, lr_multiplier, momentum):
+        """This step's lr: each group's initial lr x the multiplier (`momentum` is NorMuon's)."""
+        for group in self.param_groups:
+            group["lr"] = group["initial_lr"] * lr_multiplier
+
+    def zero_grad(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def step(self):
+        raise NotImplementedError
+
+    def state_dict(self):
+        raise NotImplementedError
+
+    def load_state_dict(self, state):
+        raise NotImplementedError
+
+
+class NorMuon(ScheduledOptimizer):
     """Momentum -> Polar Express -> per-row/column variance normalization -> cautious decoupled decay.
 
     Parameters of one shape are stacked (sorted by label, so a rank's chunk holds contiguous runs of
     one kind); each rank owns a contiguous chunk of the stack (zero-padded so the chunks are equal),
     receives its gradients by reduce-scatter, updates them, and all-gathers the new weights. A stack
-    of at least two matrices per rank is split in two groups, so one group's communication overlaps
-    the other's Polar Express; groups run smallest first. With `sync_grads` set for the last
-    micro-step, a group's reduce-scatter starts from a gradient hook as soon as its last gradient is
-    final. Gradients, momentum and second moments keep the parameter's dtype (fp32 matrices; bf16
-    gates on GPU), as in the reference. `polar` holds polar_express's options: GPU_POLAR_EXPRESS, or
-    CPU_POLAR_EXPRESS on a CPU.
+    of at least two matrices per rank is split in two groups. step() starts every group's
+    reduce-scatter, then updates the groups smallest first, so each group's Polar Express overlaps the
+    later groups' communication. Gradients, momentum and second moments keep the parameter's dtype
+    (fp32 matrices; bf16 gates on GPU), as in the reference. `polar` holds polar_express's options:
+    GPU_POLAR_EXPRESS, or CPU_POLAR_EXPRESS on a CPU.
     """
 
     def __init__(self, params, lr, weight_decay, momentum, beta2=0.95, polar=GPU_POLAR_EXPRESS):
         self.rank, self.world_size = world_info()
         self.polar = polar
-        self.sync_grads = False
         params = list(params)
         self.param_groups = [self._group(stack, lr, weight_decay, momentum, beta2)
                              for stack in stacked_groups(params, self.world_size)]
         self._order = {p: index for index, p in enumerate(params)}  # the state_dict's layout
-        self._group_of = {p: index for index, group in enumerate(self.param_groups) for p in group["params"]}
-        self._ready = [0] * len(self.param_groups)
-        self._reductions = {}
-        if self.world_size > 1:
-            for p in self._group_of:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def set_schedule(self, lr_multiplier, momentum):
+        super().set_schedule(lr_multiplier, momentum)
+        for group in self.param_groups:
+            group["momentum"] = momentum
 
     def _group(self, params, lr, weight_decay, momentum, beta2):
         rows, cols = params[0].shape
@@ -1371,11 +1406,6 @@ class NorMuon:
             wd_scale=per_param([q.wd_mul for q in params]),
             momentum_buffer=None, second_moment=None)
 
-    def zero_grad(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
     def _owned(self, group):
         """Global indices [start, stop) of this rank's chunk and how many of them are real parameters."""
         start = self.rank * group["chunk"]
@@ -1387,15 +1417,6 @@ class NorMuon:
         torch.stack(tensors, out=out[: len(tensors)])
         return out
 
-    @torch.no_grad()
-    def _grad_ready(self, p):
-        if not self.sync_grads:
-            return
-        index = self._group_of[p]
-        self._ready[index] += 1
-        if self._ready[index] == len(self.param_groups[index]["params"]):
-            self._reductions[index] = self._reduce(self.param_groups[index])
-
     def _reduce(self, group):
         """Start the reduce-scatter (AVG) of a group's stacked gradients: (this rank's chunk, handle)."""
         grads = self._stack([p.grad for p in group["params"]], group)
@@ -1406,9 +1427,7 @@ class NorMuon:
 
     @torch.no_grad()
     def step(self):
-        # groups whose hooks did not start a reduction (gradients set by hand, no sync_grads) start now
-        pending = [self._reductions.pop(index, None) or self._reduce(group) for index, group in enumerate(self.param_groups)]
-        self._ready = [0] * len(self.param_groups)
+        pending = [self._reduce(group) for group in self.param_groups]
         gathers = []
         for group, (local, handle) in zip(self.param_groups, pending):
             if handle is not None:
@@ -1543,66 +1562,75 @@ def normalize_variance(update, second_moment, reduce_dim, beta2):
     return update * (step * (norm_before / norm_after.clamp_min(1e-10))).type_as(update)
 
 
+def ema_(average, value, beta):
+    """average <- beta * average + (1 - beta) * value, in place (an Adam moment, a Shampoo factor)."""
+    return average.mul_(beta).add_(value, alpha=1 - beta)
+
+
+def ema_square_(average, value, beta):
+    """average <- beta * average + (1 - beta) * value^2, in place (Adam's second moment)."""
+    return average.mul_(beta).addcmul_(value, value, value=1 - beta)
+
+
+def adam_direction(m, v, t, beta1, beta2, eps):
+    """Adam's bias-corrected direction m_hat / (sqrt(v_hat) + eps) at step t (>= 1); DistAdam's
+    reference formula differs on purpose (eps on the uncorrected sqrt(v))."""
+    return (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + eps)
+
+
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-class DistAdam:
-    """ZeRO-1 Adam: each rank keeps bf16 moments for its slice of dim 0 of every parameter.
-
-    A post-accumulate-grad hook starts an async reduce-scatter (AVG) as soon as a gradient is final,
-    but only when `sync_grads` is set (the last micro-step of a step that will update). step() waits,
-    updates the local slice and all-gathers it back into the full parameter.
+class DistAdam(ScheduledOptimizer):
+    """ZeRO-1 Adam: each rank keeps bf16 moments for its slice of dim 0 of every parameter. A first
+    dimension that does not divide by the world size is padded with zero rows in the communication
+    buffers and the moments (the parameter keeps its shape). step() starts every parameter's
+    reduce-scatter (AVG), then per parameter waits, updates its slice and all-gathers it.
     """
 
     def __init__(self, params, lr, betas, eps, weight_decay):
         self.rank, self.world_size = world_info()
-        self.sync_grads = False
-        self.param_groups = []
-        self._pending = {}
-        for p in params:
-            if p.shape[0] % self.world_size:
-                raise ValueError(
-                    f"DistAdam: the first dimension of {p.label} ({p.shape[0]}) does not divide by the world size "
-                    f"{self.world_size}; pad it (the vocabulary is padded to a multiple of 128)")
-            self.param_groups.append(dict(params=[p], lr=lr, initial_lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                          step=0, exp_avg=None, exp_avg_sq=None))
-            p.register_post_accumulate_grad_hook(self._launch_reduce)
+        self.param_groups = [dict(params=[p], lr=lr, initial_lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                  step=0, exp_avg=None, exp_avg_sq=None) for p in params]
 
-    def zero_grad(self):
-        for group in self.param_groups:
-            group["params"][0].grad = None
+    def _padded(self, t):
+        """t with zero rows appended up to a multiple of the world size (t itself if none are needed)."""
+        missing = -t.shape[0] % self.world_size
+        return t if missing == 0 else torch.cat([t, t.new_zeros(missing, *t.shape[1:])])
 
     def _slice(self, t):
+        """This rank's rows of a padded tensor."""
         rows = t.shape[0] // self.world_size
         return t[self.rank * rows: (self.rank + 1) * rows]
 
-    def _launch_reduce(self, p):
-        if not self.sync_grads or self.world_size == 1:
-            return
-        grad = p.grad.contiguous()
+    def _reduce(self, p):
+        """Start the reduce-scatter (AVG) of p's gradient: (this rank's rows, handle); alone: (p.grad, None)."""
+        if self.world_size == 1:
+            return p.grad, None
+        grad = self._padded(p.grad.contiguous())
         local = grad.new_empty(grad.shape[0] // self.world_size, *grad.shape[1:])
-        self._pending[p] = (local, dist.reduce_scatter_tensor(local, grad, op=dist.ReduceOp.AVG, async_op=True))
+        return local, dist.reduce_scatter_tensor(local, grad, op=dist.ReduceOp.AVG, async_op=True)
 
     @torch.no_grad()
     def step(self):
+        pending = [self._reduce(group["params"][0]) for group in self.param_groups]
         gathers = []
-        for group in self.param_groups:
+        for group, (grad, handle) in zip(self.param_groups, pending):
             p = group["params"][0]
-            if self.world_size > 1:
-                if p not in self._pending:
-                    raise RuntimeError("DistAdam.step() without reduced gradients: set sync_grads before the last backward")
-                grad, handle = self._pending.pop(p)
+            if handle is not None:
                 handle.wait()
-            else:
-                grad = p.grad
-            shard = self._slice(p)
+            weights = self._padded(p)
+            shard = self._slice(weights)
             new_shard = self._adam_update(group, grad.float(), shard.to(torch.float32, copy=True), p)
-            if self.world_size > 1:
-                gathers.append(dist.all_gather_into_tensor(p, new_shard.to(p.dtype), async_op=True))
-            else:
+            if self.world_size == 1:
                 shard.copy_(new_shard)
-        for handle in gathers:
+                continue
+            full = p if weights is p else torch.empty_like(weights)
+            gathers.append((p, full, dist.all_gather_into_tensor(full, new_shard.to(p.dtype), async_op=True)))
+        for p, full, handle in gathers:
             handle.wait()
+            if full is not p:
+                p.copy_(full[: p.shape[0]])
 
     def _adam_update(self, group, grad, weight, p):
         """The reference's Adam step with cautious decay, in fp32 (moments stored in bf16); `weight` is
@@ -1614,11 +1642,12 @@ class DistAdam:
         group["step"] += 1
         t = group["step"]
         lr = group["lr"] * p.lr_mul  # the parameter's own learning rate
-        exp_avg = group["exp_avg"].float().mul_(beta1).add_(grad, alpha=1 - beta1)
-        exp_avg_sq = group["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        exp_avg = ema_(group["exp_avg"].float(), grad, beta1)
+        exp_avg_sq = ema_square_(group["exp_avg_sq"].float(), grad, beta2)
         group["exp_avg"].copy_(exp_avg)
         group["exp_avg_sq"].copy_(exp_avg_sq)
-        # eps is added to the uncorrected sqrt(v); both bias corrections live in the step size
+        # unlike adam_direction, eps is added to the uncorrected sqrt(v) and both bias corrections live in
+        # the step size, as in the reference
         step_size = lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t))
         update = exp_avg.div_(exp_avg_sq.sqrt_().add_(group["eps"])).mul_(step_size)
         mask = (update * weight) >= 0  # cautious: decay only where the update agrees with the weight's sign
@@ -1628,36 +1657,62 @@ class DistAdam:
         return weight.sub_(update)
 
     def state_dict(self):
-        """Full moments (all ranks' slices gathered); collective when distributed."""
+        """Full moments (all ranks' slices gathered, the padding cut off); collective when distributed."""
         groups = []
         for group in self.param_groups:
+            rows = group["params"][0].shape[0]
             entry = {"step": group["step"]}
             for key in ("exp_avg", "exp_avg_sq"):
-                entry[key] = None if group[key] is None else gather_chunks(group[key], self.world_size).cpu().clone()
+                entry[key] = None if group[key] is None else \
+                    gather_chunks(group[key], self.world_size)[:rows].cpu().clone()
             groups.append(entry)
         return {"groups": groups}
 
     def load_state_dict(self, state):
-        if len(state["groups"]) != len(self.param_groups):
+        if len(state["groups"]) != len(self.param_groups) or any(
+                entry[key] is not None and entry[key].shape != group["params"][0].shape
+                for group, entry in zip(self.param_groups, state["groups"]) for key in ("exp_avg", "exp_avg_sq")):
             raise ValueError("DistAdam state does not match the parameters of this model")
         for group, entry in zip(self.param_groups, state["groups"]):
             group["step"] = entry["step"]
             p = group["params"][0]
             for key in ("exp_avg", "exp_avg_sq"):
-                # the scalars' padding follows the world size: its (zero) moments are cut or extended
-                full = None if entry[key] is None else fit_length(entry[key], p.shape[0], 0.0)
-                group[key] = None if full is None else self._slice(full).to(p.device).clone()
+                group[key] = None if entry[key] is None else self._slice(self._padded(entry[key].to(p.device))).clone()
 
 
-def fit_length(t, length, fill):
-    """t cut or extended (with `fill`) along dim 0 to `length` rows."""
-    if t.shape[0] >= length:
-        return t[:length]
-    return torch.cat([t, t.new_full((length - t.shape[0], *t.shape[1:]), fill)])
+def split_params_for_optimizers(model):
+    """NorMuon: hidden matrices and gates. DistAdam, in order: head/embedding, value embeddings, scalars."""
+    muon = [p for p in model.parameters() if p.label in ("attn", "mlp", "gate")]
+    adam = [model.lm_head.weight, *model.value_embeds, model.scalars]
+    covered = [id(p) for p in muon + adam]
+    if sorted(covered) != sorted(id(p) for p in model.parameters()) or len(set(covered)) != len(covered):
+        raise AssertionError("optimizer parameter sets must cover every model parameter exactly once")
+    return muon, adam
+
+
+def make_optimizers(model, hp):
+    """(matrix optimizer, DistAdam) for the model's parameters. The matrix optimizer is NorMuon (the
+    record; its Polar Express takes the fp32 torch path on a CPU) or a track-3 optimizer."""
+    matrix_params, adam_params = split_params_for_optimizers(model)
+    adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd)
+    if hp.matrix_optimizer != "normuon":
+        return make_track3_optimizer(hp.matrix_optimizer, matrix_params, hp), adam
+    on_cpu = model.lm_head.weight.device.type == "cpu"
+    return NorMuon(matrix_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2,
+                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS), adam
+
+
+def step_optimizers(step, matrix_opt, adam):
+    """The matrix optimizer every step; DistAdam on odd steps (its gradients accumulate over two steps)."""
+    matrix_opt.step()
+    matrix_opt.zero_grad()
+    if adam_steps_at(step):
+        adam.step()
+        adam.zero_grad()
 
 
 # ----------------------------------------------------------------------------------------------
-# Track-3 optimizers for --matrix_optimizer (Shampoo, SOAP, AdamW), and choosing the optimizers
+# Track-3 optimizers for --matrix_optimizer (Shampoo, SOAP, AdamW), registered in TRACK3_OPTIMIZERS
 
 # Each parameter is cut into blocks (the merged attention weight into Q, K, V and O first); blocks go
 # to ranks by a greedy heaviest-first assignment over a cost model; one reduce-scatter brings each
@@ -1755,16 +1810,16 @@ class ParamBlock:
         return tensor[self.rows].view(self.shape)[self.index]
 
 
-class BlockOptimizer:
+class BlockOptimizer(ScheduledOptimizer):
     """Blocks, their assignment to ranks and the communication of the track-3 optimizers; subclasses
-    define the per-block update (`direction`). Each rank keeps state only for its own blocks."""
+    define the per-block update (`direction`). Each rank keeps state only for its own blocks. One lr
+    for every matrix: NorMuon's per-parameter lr_mul and shape factor are part of NorMuon."""
 
     name = "block optimizer"
 
     def __init__(self, params, lr, betas, weight_decay, max_dim, cost):
         self.rank, self.world_size = world_info()
         self.params = list(params)
-        self.sync_grads = False  # (no gradient hooks: the whole step communicates at once)
         self.param_groups = [dict(params=self.params, lr=lr, initial_lr=lr, betas=betas, weight_decay=weight_decay)]
         self.blocks = []
         for index, p in enumerate(self.params):
@@ -1785,10 +1840,6 @@ class BlockOptimizer:
         self.segment = max(sum(self.blocks[i].numel for i in mine) for mine in self.rank_blocks)
         self.step_count = 0
         self.state = {}  # block index -> its tensors (own blocks only)
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
 
     def _pack(self, get, rank_blocks, dtype):
         """The blocks' values (get(block) -> tensor) laid out rank after rank, padded to equal segments."""
@@ -1879,13 +1930,14 @@ class BlockOptimizer:
 class FactoredOptimizer(BlockOptimizer):
     """Shampoo's and SOAP's common part: per block, the factors L = EMA(G Gᵀ) and R = EMA(Gᵀ G) (one
     factor for a 1-D block), each with a matrix derived from it (`derived`: inverse root or eigenbasis),
-    stored in `state_dtype`, plus momentum and an Adam-style second moment (`second`); subclasses name
-    the last two state entries."""
+    stored in `state_dtype` ("fp32" or "bf16"), plus momentum and an Adam-style second moment (`second`);
+    subclasses name the last two state entries."""
 
     def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency,
-                 state_dtype=torch.float32, cost="bytes"):
+                 state_dtype="fp32", cost="bytes"):
         super().__init__(params, lr, betas, weight_decay, max_dim, cost)
-        self.eps, self.frequency, self.state_dtype = eps, precondition_frequency, state_dtype
+        self.eps, self.frequency = eps, precondition_frequency
+        self.state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
 
     def _new_state(self, grad):
         state = {"momentum": torch.zeros_like(grad), self.second: torch.zeros_like(grad)}
@@ -1896,21 +1948,23 @@ class FactoredOptimizer(BlockOptimizer):
 
     def _accumulate_factor(self, state, grad, d, beta2):
         """factor_d <- beta2 factor_d + (1 - beta2) (G Gᵀ or Gᵀ G), computed in fp32; returns the fp32 factor."""
-        factor = state[f"factor{d}"].float().mul_(beta2).add_(gram(grad, d), alpha=1 - beta2)
+        factor = ema_(state[f"factor{d}"].float(), gram(grad, d), beta2)
         state[f"factor{d}"].copy_(factor)
         return factor
 
 
 class Shampoo(FactoredOptimizer):
     """Shampoo with Adam grafting: factors L = EMA(G Gᵀ), R = EMA(Gᵀ G) (bias-corrected), inverse roots
-    L^(-1/4), R^(-1/4) refreshed every `precondition_frequency` steps (from the first), momentum on the
-    gradient, the preconditioned direction rescaled per block to the norm of Adam's direction, then
-    decoupled weight decay. A 1-D block has one factor and exponent -1/2."""
+    L^(-1/4), R^(-1/4) refreshed every `precondition_frequency` steps f, momentum on the gradient, the
+    preconditioned direction rescaled per block to the norm of Adam's direction, then decoupled weight
+    decay. A 1-D block has one factor and exponent -1/2. The refreshes fall on steps 1, 1 + f, 1 + 2f, ...,
+    so there is a root from the first step; Meta's Distributed Shampoo computes its roots on the
+    multiples of f (f, 2f, ...) after its start_preconditioning_step: the same interval, another phase."""
 
     name, derived, second = "shampoo", "root", "graft"
 
     def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency, graft_beta2, graft_eps,
-                 state_dtype=torch.float32, cost="bytes"):
+                 state_dtype="fp32", cost="bytes"):
         super().__init__(params, lr, betas, weight_decay, eps, max_dim, precondition_frequency, state_dtype, cost)
         self.graft_beta2, self.graft_eps = graft_beta2, graft_eps
 
@@ -1922,10 +1976,10 @@ class Shampoo(FactoredOptimizer):
             factor = self._accumulate_factor(state, grad, d, beta2)
             if (t - 1) % self.frequency == 0:
                 state[f"root{d}"].copy_(inverse_root(factor / (1 - beta2 ** t), 2 * grad.ndim, self.eps))
-        momentum = state["momentum"].mul_(beta1).add_(grad, alpha=1 - beta1)
+        momentum = ema_(state["momentum"], grad, beta1)
+        adam = adam_direction(momentum, ema_square_(state["graft"], grad, self.graft_beta2), t, beta1,
+                              self.graft_beta2, self.graft_eps)
         filtered = momentum / (1 - beta1 ** t)
-        second = state["graft"].mul_(self.graft_beta2).addcmul_(grad, grad, value=1 - self.graft_beta2)
-        adam = filtered / ((second / (1 - self.graft_beta2 ** t)).sqrt_() + self.graft_eps)
         roots = [state[f"root{d}"].float() for d in range(grad.ndim)]
         shampoo = roots[0] @ filtered @ roots[1] if grad.ndim == 2 else roots[0] @ filtered
         return shampoo * (adam.norm() / shampoo.norm().clamp_min(1e-30))
@@ -1982,11 +2036,9 @@ class SOAP(FactoredOptimizer):
         def unrotate(x):
             return bases[0] @ x @ bases[1].T if x.ndim == 2 else bases[0] @ x
 
-        momentum = state["momentum"].mul_(beta1).add_(grad, alpha=1 - beta1)
-        rotated = rotate(grad)
-        second = state["second"].mul_(beta2).addcmul_(rotated, rotated, value=1 - beta2)
-        adam = (rotate(momentum) / (1 - beta1 ** t)) / ((second / (1 - beta2 ** t)).sqrt() + self.eps)
-        return unrotate(adam)
+        momentum = ema_(state["momentum"], grad, beta1)
+        second = ema_square_(state["second"], rotate(grad), beta2)
+        return unrotate(adam_direction(rotate(momentum), second, t, beta1, beta2, self.eps))
 
 
 class AdamW(BlockOptimizer):
@@ -2002,51 +2054,30 @@ class AdamW(BlockOptimizer):
         beta1, beta2 = self.param_groups[0]["betas"]
         t = self.step_count
         state = self._block_state(i, grad)
-        m = state["m"].mul_(beta1).add_(grad, alpha=1 - beta1)
-        v = state["v"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        return (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + self.eps)
+        return adam_direction(ema_(state["m"], grad, beta1), ema_square_(state["v"], grad, beta2), t, beta1, beta2,
+                              self.eps)
 
     def _new_state(self, grad):
         return dict(m=torch.zeros_like(grad), v=torch.zeros_like(grad))
 
 
-def split_params_for_optimizers(model):
-    """NorMuon: hidden matrices and gates. DistAdam, in order: head/embedding, value embeddings, scalars."""
-    muon = [p for p in model.parameters() if p.label in ("attn", "mlp", "gate")]
-    adam = [model.lm_head.weight, *model.value_embeds, model.scalars]
-    covered = [id(p) for p in muon + adam]
-    if sorted(covered) != sorted(id(p) for p in model.parameters()) or len(set(covered)) != len(covered):
-        raise AssertionError("optimizer parameter sets must cover every model parameter exactly once")
-    return muon, adam
+# --matrix_optimizer NAME -> (class, {constructor argument: Hyperparameters field}): a new track-3
+# optimizer is its class, its fields in Hyperparameters and one entry here.
+FACTOR_FLAGS = dict(max_dim="factor_max_dim", state_dtype="factor_dtype", cost="factor_block_cost")
+TRACK3_OPTIMIZERS = {
+    "shampoo": (Shampoo, dict(lr="shampoo_lr", betas="shampoo_betas", weight_decay="shampoo_wd", eps="shampoo_eps",
+                              precondition_frequency="shampoo_precondition_frequency",
+                              graft_beta2="shampoo_graft_beta2", graft_eps="shampoo_graft_eps", **FACTOR_FLAGS)),
+    "soap": (SOAP, dict(lr="soap_lr", betas="soap_betas", weight_decay="soap_wd", eps="soap_eps",
+                        precondition_frequency="soap_precondition_frequency", **FACTOR_FLAGS)),
+    "adamw": (AdamW, dict(lr="adamw_lr", betas="adamw_betas", weight_decay="adamw_wd", eps="adamw_eps")),
+}
+MATRIX_OPTIMIZERS = ("normuon", *TRACK3_OPTIMIZERS)
 
 
-def make_optimizers(model, hp):
-    """(matrix optimizer, DistAdam) for the model's parameters. The matrix optimizer is NorMuon (the
-    record) or a track-3 alternative; Polar Express takes the CPU path on a CPU."""
-    matrix_params, adam_params = split_params_for_optimizers(model)
-    adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd)
-    state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[hp.shampoo_state_dtype]
-    if hp.matrix_optimizer == "shampoo":
-        return Shampoo(matrix_params, hp.shampoo_lr, hp.shampoo_betas, hp.shampoo_wd, hp.shampoo_eps, hp.shampoo_max_dim,
-                       hp.shampoo_precondition_frequency, hp.shampoo_graft_beta2, hp.shampoo_graft_eps, state_dtype,
-                       hp.shampoo_cost), adam
-    if hp.matrix_optimizer == "soap":
-        return SOAP(matrix_params, hp.soap_lr, hp.soap_betas, hp.soap_wd, hp.soap_eps, hp.shampoo_max_dim,
-                    hp.soap_precondition_frequency, state_dtype, hp.shampoo_cost), adam
-    if hp.matrix_optimizer == "adamw":
-        return AdamW(matrix_params, hp.adamw_lr, hp.adamw_betas, hp.adamw_wd, hp.adamw_eps), adam
-    on_cpu = model.lm_head.weight.device.type == "cpu"
-    return NorMuon(matrix_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2,
-                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS), adam
-
-
-def step_optimizers(step, matrix_opt, adam):
-    """The matrix optimizer every step; DistAdam on odd steps (its gradients accumulate over two steps)."""
-    matrix_opt.step()
-    matrix_opt.zero_grad()
-    if adam_steps_at(step):
-        adam.step()
-        adam.zero_grad()
+def make_track3_optimizer(name, params, hp):
+    cls, flags = TRACK3_OPTIMIZERS[name]
+    return cls(params, **{argument: getattr(hp, flag) for argument, flag in flags.items()})
 
 # ----------------------------------------------------------------------------------------------
 # Schedules: everything that changes with the step (record: 1995 scheduled steps in thirds + 40 extension)
@@ -2119,14 +2150,11 @@ def stage_first_steps(hp):
 
 
 def apply_schedule(step, hp, model, *optimizers):
-    """Set what changes with the step: each optimizer group's lr (its initial lr x the multiplier),
-    NorMuon's momentum, and YaRN on the model's rotary embedding. Returns (batch size, windows)."""
-    lr_multiplier = lr_multiplier_at(step, hp)
+    """Set what changes with the step: each optimizer's lr multiplier and momentum (set_schedule) and YaRN
+    on the model's rotary embedding. Returns (batch size, windows)."""
+    lr_multiplier, momentum = lr_multiplier_at(step, hp), muon_momentum_at(step, hp)
     for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * lr_multiplier
-            if "momentum" in group:
-                group["momentum"] = muon_momentum_at(step, hp)
+        optimizer.set_schedule(lr_multiplier, momentum)
     windows = window_blocks_at(step, hp)
     model.rotary.follow_window(windows[1] * hp.window_block_tokens)
     return batch_size_at(step, hp), windows
@@ -2221,6 +2249,39 @@ def load_checkpoint(path):
     return snap
 
 
+# Settings that may differ when resuming: they do not change the training trajectory.
+RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force", "profile", "cpu_threads",
+                     "val_loss_every", "warmup_steps", "device", "compile", "fp8", "seed", "train_files", "val_files",
+                     "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size"}
+MODEL_SHAPE_FLAGS = ("vocab_size", "num_layers", "num_heads", "head_dim", "model_dim", "matrix_optimizer")
+
+
+def _flags(values, names):
+    return ", ".join(f"--{name} {_flag_text(tuple(values[name]) if isinstance(values[name], list) else values[name])}"
+                     for name in names)
+
+
+def check_resumable(path, snap, hp, total_steps):
+    """Refuse, in one line, a checkpoint that a run with `hp` cannot continue faithfully."""
+    ours, theirs = dataclasses.asdict(hp), snap["hyperparameters"]
+    theirs = {"matrix_optimizer": "normuon", **theirs}
+    shape = [name for name in MODEL_SHAPE_FLAGS if ours[name] != theirs.get(name)]
+    if shape:
+        raise ConfigError(f"{path} holds a model and optimizer state with {_flags(theirs, shape)} but this run has "
+                          f"{_flags(ours, shape)}; pass the checkpoint's settings to resume it")
+    if snap["step"] > total_steps:
+        raise ConfigError(f"{path} is at step {snap['step']}, past this run's last step {total_steps}; "
+                          f"resume an earlier checkpoint or lengthen the run")
+    if hp.force:
+        return
+    if snap["script_sha256"] != script_sha256():
+        raise ConfigError(f"{path} was written by a different train_gpt.py; pass --force to resume anyway")
+    changed = [name for name in ours if name not in RESUME_FREE_FLAGS and ours[name] != theirs.get(name)]
+    if changed:
+        raise ConfigError(f"{path} was written with {_flags(theirs, changed)} but this run has {_flags(ours, changed)}; "
+                          f"pass the same settings, or --force to continue with the new ones")
+
+
 def setup_distributed(hp):
     """torchrun (RANK/WORLD_SIZE set) or a single plain process; NCCL on CUDA, gloo on CPU. The device
     follows the node-local rank; data and logs follow the global rank."""
@@ -2268,18 +2329,6 @@ def resolve_data(hp, rank):
     return train, val, f"train {train}, val {val}"
 
 
-# Settings that may differ when resuming: they do not change the training trajectory.
-RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force", "profile", "cpu_threads",
-                     "val_loss_every", "warmup_steps", "device", "compile", "fp8", "seed", "train_files", "val_files",
-                     "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size"}
-MODEL_SHAPE_FLAGS = ("vocab_size", "num_layers", "num_heads", "head_dim", "model_dim", "matrix_optimizer")
-
-
-def _flags(values, names):
-    return ", ".join(f"--{name} {_flag_text(tuple(values[name]) if isinstance(values[name], list) else values[name])}"
-                     for name in names)
-
-
 @contextlib.contextmanager
 def failing_together(device):
     """Run a block on every rank; if it fails on any rank, fail on all (one rank stopping alone would
@@ -2298,17 +2347,152 @@ def failing_together(device):
         raise error
 
 
+def check_batch_splits(hp, world_size, accum):
+    """Every training and the validation batch splits evenly over ranks and micro-steps (else one line)."""
+    for b in hp.batch_sizes:
+        tokens_per_rank(b, world_size, accum)
+    tokens_per_rank(hp.val_batch_size, world_size, accum, what="--val_batch_size")
+
+
+def window_tensors(hp, device):
+    """Every (short, long) window pair of the run as a device tensor, made once: the compiled model
+    takes the windows as data, so no window change recompiles and no step copies them."""
+    pairs = {window_blocks_at(step, hp) for step in stage_first_steps(hp)} | {final_window_blocks(hp)}
+    return {pair: torch.tensor(pair, dtype=torch.int32, device=device) for pair in pairs}
+
+
+def rng_state(device):
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else None)
+
+
+def set_rng_state(state, device):
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and device.type == "cuda":
+        # the writing machine may have had more GPUs than this one (resume on fewer processes)
+        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
+
+
+class RunStats:
+    """Memory high-water marks (training and validation apart) and the throughput/MFU summary."""
+
+    def __init__(self, device):
+        self.device = device
+        self.peak_bytes = self.eval_peak_bytes = 0  # CUDA peaks before the allocator's last reset
+
+    def reset_peaks(self):
+        """Forget the memory peaks so far (warm-up and checks before the timed loop)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.peak_bytes = self.eval_peak_bytes = 0
+
+    @contextlib.contextmanager
+    def eval_memory(self):
+        """Measure the validation's own CUDA memory peak (the run's overall peak keeps counting)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        yield
+        self.eval_peak_bytes = max(self.eval_peak_bytes, torch.cuda.max_memory_allocated())
+
+    def train_peak_bytes(self):
+        return max(self.peak_bytes, torch.cuda.max_memory_allocated()) if self.device.type == "cuda" else 0
+
+    def summary(self, model, hp, tokens_seen, training_time_ms, world_size):
+        """The log's closing lines: memory peaks, then tokens/s and MFU."""
+        if self.device.type == "cuda":
+            lines = [f"peak memory allocated: {self.train_peak_bytes() // 2**20} MiB "
+                     f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB",
+                     f"validation peak memory allocated: {self.eval_peak_bytes // 2**20} MiB"]
+        else:
+            lines = [f"peak memory (CPU max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"]
+        seconds = training_time_ms / 1000
+        tokens_per_s = tokens_seen / seconds if seconds else 0.0
+        flops_per_token = model_flops_per_token(model, hp)
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None) if name else None
+        mfu = f"{100 * tokens_per_s * flops_per_token / (peak * world_size):.1f}%" if peak else "n/a (unknown peak FLOP/s)"
+        return lines + [f"throughput: {tokens_per_s:,.0f} tokens/s over {tokens_seen:,} tokens; "
+                        f"{flops_per_token / 1e9:.2f} GFLOP/token; MFU {mfu}"]
+
+
+def model_flops_per_token(model, hp):
+    """6 x (matmul weights: blocks + head) for forward+backward, plus attention's 12 x layers x hdim x
+    mean keys per query (half the average long/short window of the last stage). Embedding lookups are free."""
+    matmul = sum(p.numel() for p in model.parameters() if p.label in ("attn", "mlp")) + model.lm_head.weight.numel()
+    attn_layers = sum(block.attn is not None for block in model.blocks)
+    keys = 0.75 * hp.window_blocks[-1] * hp.window_block_tokens / 2
+    return 6 * matmul + 12 * attn_layers * hp.num_heads * hp.head_dim * keys
+
+
+class StepProfiler:
+    """The PyTorch profiler around the --profile START:END steps; a Chrome trace next to the log."""
+
+    def __init__(self, hp, run_id, total_steps, log):
+        self.range = _parse_profile_range(hp.profile) if hp.profile else None
+        self.trace = Path(hp.log_dir) / f"{run_id}_trace.json"
+        self.profiler, self.log, self.text = None, log, hp.profile
+        if self.range and self.range[1] >= total_steps:
+            log(f"warning: --profile {hp.profile} ends at or after the run's last step ({total_steps}); no trace "
+                f"will be written (END must be below it)")
+
+    def at(self, step, rank):
+        if self.range is None:
+            return
+        if step == self.range[0]:
+            self.profiler = torch.profiler.profile(record_shapes=True)
+            self.profiler.__enter__()
+        elif step == self.range[1] and self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            if rank == 0:
+                self.profiler.export_chrome_trace(str(self.trace))
+                self.log(f"profiler trace of steps {self.text} written to {self.trace}")
+            self.profiler = None
+
+
+class LateLossCheck:
+    """Each step's loss is checked for a non-finite value one step late, so the host never waits for the
+    GPU: push() starts copying this step's loss and checks the previous one; finish() checks the last."""
+
+    def __init__(self, device):
+        self.device, self.pending = device, None
+
+    def push(self, step, loss):
+        self.finish()
+        if self.device.type != "cuda":
+            self.pending = (step, loss, None)
+            return
+        host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+        host.copy_(loss, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.pending = (step, host, done)
+
+    def finish(self):
+        if self.pending is None:
+            return
+        step, loss, done = self.pending
+        self.pending = None
+        if done is not None:
+            done.synchronize()  # waits for that step only, not for the work queued since
+        value = loss.item()
+        if not math.isfinite(value):
+            raise FloatingPointError(f"training loss is {value} at step {step}; lower the learning rates "
+                                     f"(--muon_lr/--adam_lr) or check the data, then rerun")
+
+
 class Trainer:
     """Holds the run's moving parts: setup in __init__, warm_up(), then run(), the timed loop."""
 
     def __init__(self, hp, argv=()):
         self.hp = hp
         self.rank, self.world_size, self.device = setup_distributed(hp)
+        self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
         with failing_together(self.device):  # everything that can be wrong with the input, before any work
             self.accum = grad_accum_steps(hp, self.world_size)
-            for b in hp.batch_sizes:
-                tokens_per_rank(b, self.world_size, self.accum)
-            tokens_per_rank(hp.val_batch_size, self.world_size, self.accum, what="--val_batch_size")
+            check_batch_splits(hp, self.world_size, self.accum)
             self.run_id = hp.run_id or str(uuid.uuid4())
             self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0)
             self.log(f"args: {json.dumps(list(argv))}", console=False)
@@ -2325,8 +2509,10 @@ class Trainer:
                                 f"shard, but the largest training shard holds {max(self.loader.shard_tokens)}; use "
                                 f"smaller batches or larger shards")
             self.resume_from = load_checkpoint(hp.resume) if hp.resume else None
+            if self.resume_from is not None:
+                check_resumable(hp.resume, self.resume_from, hp, self.total_steps)
         torch.manual_seed(hp.seed)
-        self.model = build_model(hp, self.world_size, self.device)
+        self.model = build_model(hp, self.device)
         if self.world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.data, 0)
@@ -2335,32 +2521,25 @@ class Trainer:
         if self.device.type == "cuda" and hp.compile:
             torch._dynamo.config.cache_size_limit = 64
             self.forward = torch.compile(self.model, dynamic=False, fullgraph=True)
-        self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
-        # every (short, long) window pair of the run as a device tensor, made once: the compiled model
-        # takes the windows as data, so no window change recompiles and no step copies them
-        pairs = {window_blocks_at(step, hp) for step in stage_first_steps(hp)} | {final_window_blocks(hp)}
-        self.windows = {pair: torch.tensor(pair, dtype=torch.int32, device=self.device) for pair in pairs}
-        self.peak_bytes = self.eval_peak_bytes = 0  # CUDA memory high-water marks (the allocator's is reset)
-        self.step = 0
-        self.training_time_ms = 0.0
-        self.tokens_seen = 0
-        self.profiler = None
+        self.windows = window_tensors(hp, self.device)
+        self.stats = RunStats(self.device)
+        self.profiler = StepProfiler(hp, self.run_id, self.total_steps, self.log)
+        self.step, self.training_time_ms, self.tokens_seen = 0, 0.0, 0
 
     # --- one step -------------------------------------------------------------------------
-    def train_step(self, step):
-        """One optimizer step: the step's schedule, `accum` micro-batches forward and backward, the
-        optimizers. Returns the step's loss summed over ranks, as a device tensor (reading it waits for
-        the GPU); no host-device synchronization happens inside."""
-        hp = self.hp
-        batch_size, windows = apply_schedule(step, hp, self.model, self.matrix_opt, self.adam)
+    def schedule(self, step):
+        """Set step's lr, momentum and YaRN state; returns its (batch size, windows)."""
+        return apply_schedule(step, self.hp, self.model, self.matrix_opt, self.adam)
+
+    def train_step(self, step, batch_size, windows):
+        """One optimizer step of `batch_size` tokens (as scheduled for `step`): `accum` micro-batches
+        forward and backward, the optimizers. Returns the step's loss summed over ranks, as a device
+        tensor (reading it waits for the GPU); no host-device synchronization happens inside."""
         rank_tokens = tokens_per_rank(batch_size, self.world_size, self.accum)
         self.model.train()
         total = torch.zeros((), device=self.device)
-        for micro in range(self.accum):
-            inputs, targets, cu_seqlens = self.loader.next_batch(rank_tokens, hp.max_seq_len)
-            last = micro == self.accum - 1
-            self.matrix_opt.sync_grads = last  # NorMuon's hooks start each group's reduce-scatter as gradients are final
-            self.adam.sync_grads = adam_steps_at(step) and last
+        for _ in range(self.accum):
+            inputs, targets, cu_seqlens = self.loader.next_batch(rank_tokens, self.hp.max_seq_len)
             loss = self.forward(inputs, targets, cu_seqlens, self.windows[windows]) / self.accum
             loss.backward()
             total += loss.detach()
@@ -2375,7 +2554,7 @@ class Trainer:
         """Mean loss over the validation tokens, all ranks together, with the given (short, long) windows."""
         hp = self.hp
         self.model.eval()
-        with self.eval_peak_memory():
+        with self.stats.eval_memory():
             losses = [self.forward(*batch, self.windows[windows]) for batch in validation_batches(
                 self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size, self.accum, self.device)]
             loss = torch.stack(losses).mean()
@@ -2394,58 +2573,30 @@ class Trainer:
             step=self.step, training_time_ms=self.training_time_ms, tokens_seen=self.tokens_seen,
             model={k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in self.model.state_dict().items()},
             matrix=self.matrix_opt.state_dict(), adam=self.adam.state_dict(), loader=self.loader.state_dict(),
-            rng=dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None),
+            rng=rng_state(self.device),
             script_sha256=script_sha256(), world_size=self.world_size, hyperparameters=dataclasses.asdict(self.hp))
 
     def restore(self, snap):
-        model_state = dict(snap["model"])  # the scalars' padding (ones, never trained) follows the world size
-        model_state["scalars"] = fit_length(model_state["scalars"], self.model.scalars.numel(), 1.0)
-        self.model.load_state_dict(model_state)
+        self.model.load_state_dict(snap["model"])
         self.matrix_opt.load_state_dict(snap["matrix"])
         self.adam.load_state_dict(snap["adam"])
         self.loader.load_state_dict(snap["loader"])
-        torch.set_rng_state(snap["rng"]["torch"])
-        if snap["rng"]["cuda"] is not None and self.device.type == "cuda":
-            # the writing machine may have had more GPUs than this one (resume on fewer processes)
-            for index, state in enumerate(snap["rng"]["cuda"][: torch.cuda.device_count()]):
-                torch.cuda.set_rng_state(state, index)
-        self.step, self.training_time_ms = snap["step"], snap["training_time_ms"]
-        self.tokens_seen = snap["tokens_seen"]
+        set_rng_state(snap["rng"], self.device)
+        self.step, self.training_time_ms, self.tokens_seen = snap["step"], snap["training_time_ms"], snap["tokens_seen"]
         self.matrix_opt.zero_grad()
         self.adam.zero_grad()
 
     def resume(self, path, snap):
-        self.check_resumable(path, snap)
         stale = remove_stale_temp_files(Path(path).parent) if self.rank == 0 else []
         if stale:
             self.log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in {Path(path).parent}")
         try:
             self.restore(snap)
-        except ValueError as e:  # an optimizer state of another shape (possible with --force)
-            raise ConfigError(f"{path}: {e}; resume it with the script that wrote it") from None
+        except (ValueError, RuntimeError) as e:  # a model or optimizer state of another shape (possible with --force)
+            raise ConfigError(f"{path}: {str(e).splitlines()[0]}; resume it with the script that wrote it") from None
         moved = f" (written by {snap['world_size']} processes, continued on {self.world_size})" \
             if snap["world_size"] != self.world_size else ""
         self.log(f"resumed from {path} at step {self.step}{moved}")
-
-    def check_resumable(self, path, snap):
-        """Refuse, in one line, a checkpoint this run cannot continue faithfully."""
-        ours, theirs = dataclasses.asdict(self.hp), snap["hyperparameters"]
-        theirs = {"matrix_optimizer": "normuon", **theirs}
-        shape = [name for name in MODEL_SHAPE_FLAGS if ours[name] != theirs.get(name)]
-        if shape:
-            raise ConfigError(f"{path} holds a model and optimizer state with {_flags(theirs, shape)} but this run has "
-                              f"{_flags(ours, shape)}; pass the checkpoint's settings to resume it")
-        if snap["step"] > self.total_steps:
-            raise ConfigError(f"{path} is at step {snap['step']}, past this run's last step {self.total_steps}; "
-                              f"resume an earlier checkpoint or lengthen the run")
-        if self.hp.force:
-            return
-        if snap["script_sha256"] != script_sha256():
-            raise ConfigError(f"{path} was written by a different train_gpt.py; pass --force to resume anyway")
-        changed = [name for name in ours if name not in RESUME_FREE_FLAGS and ours[name] != theirs.get(name)]
-        if changed:
-            raise ConfigError(f"{path} was written with {_flags(theirs, changed)} but this run has {_flags(ours, changed)}; "
-                              f"pass the same settings, or --force to continue with the new ones")
 
     def checkpoint(self, tag):
         """Write a checkpoint (rank 0). A failed periodic write only warns: training goes on and the
@@ -2469,7 +2620,7 @@ class Trainer:
         initial = self.snapshot()
         for first in stage_first_steps(self.hp):
             for step in range(first, first + self.hp.warmup_steps):
-                self.train_step(step)
+                self.train_step(step, *self.schedule(step))
         self.validate(window_blocks_at(self.total_steps, self.hp))
         self.validate(final_window_blocks(self.hp))
         self.restore(initial)
@@ -2490,114 +2641,45 @@ class Trainer:
         self.synchronize()
         self.clock_start = time.perf_counter()
 
+    def log_step(self, step, val_loss=None):
+        ms = self.training_time_ms if val_loss is not None else \
+            self.training_time_ms + 1000 * (time.perf_counter() - self.clock_start)
+        val = f" val_loss:{val_loss:.4f}" if val_loss is not None else ""
+        self.log(f"step:{step}/{self.total_steps}{val} train_time:{ms:.0f}ms step_avg:{ms / max(step, 1):.2f}ms")
+
     def run(self):
         hp = self.hp
         if hp.warmup_steps:
             self.warm_up()
         if self.resume_from is not None:
             self.resume(hp.resume, self.resume_from)
-        pending_loss = None  # checked one step late on CUDA so the host never waits for the GPU
+        loss_check = LateLossCheck(self.device)
         val_losses = []
         self.synchronize()
         self.clock_start = time.perf_counter()
         for step in range(self.step, self.total_steps + 1):
             last = step == self.total_steps
-            _, windows = apply_schedule(step, hp, self.model, self.matrix_opt, self.adam)  # validation sees step s's windows
+            batch_size, windows = self.schedule(step)  # validation sees step s's windows
             if last or (hp.val_loss_every and step % hp.val_loss_every == 0):
                 with self.clock_paused():
-                    val_loss = self.validate(final_window_blocks(hp) if last else windows)
-                    val_losses.append((step, val_loss))
-                    self.log(f"step:{step}/{self.total_steps} val_loss:{val_loss:.4f} "
-                             f"train_time:{self.training_time_ms:.0f}ms step_avg:{self.training_time_ms / max(step, 1):.2f}ms")
+                    val_losses.append((step, self.validate(final_window_blocks(hp) if last else windows)))
+                    self.log_step(step, val_losses[-1][1])
             if last:
                 break
-            self.profiler_at(step)
-            loss = self.train_step(step)
-            if pending_loss is not None:
-                self.check_finite(*pending_loss)
-            pending_loss = (step, *self.copy_to_host(loss))
+            self.profiler.at(step, self.rank)
+            loss_check.push(step, self.train_step(step, batch_size, windows))
             self.step = step + 1
-            approx_ms = self.training_time_ms + 1000 * (time.perf_counter() - self.clock_start)
-            self.log(f"step:{self.step}/{self.total_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / self.step:.2f}ms")
+            self.log_step(self.step)
             if hp.save_every and self.step % hp.save_every == 0 and self.step < self.total_steps:
                 with self.clock_paused():
                     self.checkpoint(f"step_{self.step:06d}")
-        if pending_loss is not None:
-            self.check_finite(*pending_loss)
+        loss_check.finish()
         if hp.save_checkpoint:
             self.checkpoint("final")
-        self.log_summary()
+        for line in self.stats.summary(self.model, hp, self.tokens_seen, self.training_time_ms, self.world_size):
+            self.log(line)
         self.loader.close()
         return val_losses
-
-    def profiler_at(self, step):
-        """Start/stop the PyTorch profiler around the --profile START:END steps."""
-        start, end = _parse_profile_range(self.hp.profile) if self.hp.profile else (-1, -1)
-        if step == start:
-            self.profiler = torch.profiler.profile(record_shapes=True)
-            self.profiler.__enter__()
-        elif step == end and self.profiler is not None:
-            self.profiler.__exit__(None, None, None)
-            if self.rank == 0:
-                trace = Path(self.hp.log_dir) / f"{self.run_id}_trace.json"
-                self.profiler.export_chrome_trace(str(trace))
-                self.log(f"profiler trace of steps {self.hp.profile} written to {trace}")
-            self.profiler = None
-
-    def copy_to_host(self, loss):
-        """Start copying the step's loss to the host; returns (host tensor, event to wait on)."""
-        if self.device.type != "cuda":
-            return loss, None
-        host = torch.empty((), dtype=loss.dtype, pin_memory=True)
-        host.copy_(loss, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
-
-    def check_finite(self, step, loss, done):
-        if done is not None:
-            done.synchronize()  # waits for that step only, not for the work queued since
-        value = loss.item()
-        if not math.isfinite(value):
-            raise FloatingPointError(f"training loss is {value} at step {step}; lower the learning rates "
-                                     f"(--muon_lr/--adam_lr) or check the data, then rerun")
-
-    @contextlib.contextmanager
-    def eval_peak_memory(self):
-        """Measure the validation's own CUDA memory peak (the run's overall peak keeps counting)."""
-        if self.device.type != "cuda":
-            yield
-            return
-        self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated())
-        torch.cuda.reset_peak_memory_stats()
-        yield
-        self.eval_peak_bytes = max(self.eval_peak_bytes, torch.cuda.max_memory_allocated())
-
-    def log_summary(self):
-        if self.device.type == "cuda":
-            peak = max(self.peak_bytes, torch.cuda.max_memory_allocated())
-            self.log(f"peak memory allocated: {peak // 2**20} MiB "
-                     f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-            self.log(f"validation peak memory allocated: {self.eval_peak_bytes // 2**20} MiB")
-        else:
-            self.log(f"peak memory (CPU max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
-        seconds = self.training_time_ms / 1000
-        tokens_per_s = self.tokens_seen / seconds if seconds else 0.0
-        flops_per_token = model_flops_per_token(self.model, self.hp)
-        peak = next((v for k, v in PEAK_FLOPS.items() if self.device.type == "cuda" and k in torch.cuda.get_device_name(self.device)), None)
-        mfu = f"{100 * tokens_per_s * flops_per_token / (peak * self.world_size):.1f}%" if peak else "n/a (unknown peak FLOP/s)"
-        self.log(f"throughput: {tokens_per_s:,.0f} tokens/s over {self.tokens_seen:,} tokens; "
-                 f"{flops_per_token / 1e9:.2f} GFLOP/token; MFU {mfu}")
-
-
-def model_flops_per_token(model, hp):
-    """6 x (matmul weights: blocks + head) for forward+backward, plus attention's 12 x layers x hdim x
-    mean keys per query (half the average long/short window of the last stage). Embedding lookups are free."""
-    matmul = sum(p.numel() for p in model.parameters() if p.label in ("attn", "mlp")) + model.lm_head.weight.numel()
-    attn_layers = sum(block.attn is not None for block in model.blocks)
-    keys = 0.75 * hp.window_blocks[-1] * hp.window_block_tokens / 2
-    return 6 * matmul + 12 * attn_layers * hp.num_heads * hp.head_dim * keys
-
 
 # ----------------------------------------------------------------------------------------------
 # main(): parse, train, and turn bad input into one line

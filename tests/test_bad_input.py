@@ -99,6 +99,12 @@ BAD_FLAGS = [
     (["--num_layers", "abc"], "--num_layers"),
     (["--cycle_data", "perhaps"], "--cycle_data"),
     (["--profile", "5:2"], "--profile"),
+    # negative values in scientific or START:END notation reach the range checks (not "expected one argument")
+    (["--shampoo_lr", "-1e-3"], "--shampoo_lr must be positive, got -0.001"),
+    (["--profile", "-1:2"], "--profile must look like START:END"),
+    (["--muon_momentum", "-1e-2", "0.9"], "--muon_momentum must be in [0, 1)"),
+    (["--run_id=-rf"], "--run_id may hold"),
+    (["--factor_dtype", "fp16"], "--factor_dtype must be one of fp32, bf16"),
 ]
 
 
@@ -178,7 +184,7 @@ def no_bos(tokens):
     ("train", with_big_id, "token id 60000 at position 500 is not below the vocabulary size 50257"),
     ("val", with_big_id, "token id 60000 at position 500 is not below the vocabulary size 50257"),
     ("train", header_only, "holds no tokens"),
-    ("val", header_only, "hold 0 tokens; --val_tokens 1024 needs one more"),
+    ("val", header_only, "hold 0 tokens, but --val_tokens 1024 needs 1025"),
     ("train", no_bos, "no document start (token 50256)"),
 ])
 def test_bad_shard_is_named_before_training(corpus, tmp_path, capsys, which, change, needle):
@@ -227,7 +233,7 @@ def test_unreadable_shard(corpus, tmp_path, capsys, monkeypatch):
 def test_val_shard_shorter_than_val_tokens_is_reported_first(corpus, tmp_path, capsys):
     log_dir = tmp_path / "logs"
     result, code, err = run_main([*tiny(corpus, log_dir), "--val_tokens", "16384", "--val_batch_size", "512"], capsys)
-    one_line_error(code, err, "--val_tokens 16384 needs one more")
+    one_line_error(code, err, "--val_tokens 16384 needs 16385")
     no_training_happened(log_dir)
 
 

@@ -38,7 +38,7 @@ def test_record_model_traces_without_breaks_into_four_graphs():
     hp = tg.parse_args([])
     torch._dynamo.reset()
     with torch.device("cpu"):
-        model = tg.GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, 8, hp.window_block_tokens)
+        model = tg.GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, hp.window_block_tokens)
     model.use_fp8 = True  # the record's training head
     assert isinstance(model.attention, tg.FlexWindowAttention) and model.head_loss is tg.softcap_cross_entropy
     graphs = []

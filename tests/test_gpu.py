@@ -65,7 +65,7 @@ def _packed_batch(tokens, vocab, seed=0, max_doc=2048):
 def record_model():
     hp = tg.parse_args([])
     torch.manual_seed(hp.seed)
-    model = tg.build_model(hp, 1, DEVICE)
+    model = tg.build_model(hp, DEVICE)
     assert isinstance(model.attention, tg.FlexWindowAttention) and model.lm_head.weight.dtype == torch.bfloat16
     assert model.head_loss is tg.softcap_cross_entropy  # the head (and use_fp8) in the compiled graph
     model.train()
@@ -203,7 +203,7 @@ def test_one_train_step_with_both_optimizers(tmp_path):
             "--train_files", str(folder / "synthetic_train_*.bin"), "--val_files", str(folder / "synthetic_val_*.bin")]
     trainer = tg.Trainer(tg.parse_args(argv), argv)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    losses = [trainer.train_step(step).item() for step in range(2)]  # NorMuon twice, DistAdam once
+    losses = [trainer.train_step(step, *trainer.schedule(step)).item() for step in range(2)]  # NorMuon twice, DistAdam once
     trainer.loader.close()
     assert all(math.isfinite(l) for l in losses), losses
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}

@@ -325,7 +325,7 @@ def test_validation_rejects_bad_sizes(tmp_path):
         next(tg.validation_batches(tokens, 2008, 1004, 0, 8, 1, CPU))
     with pytest.raises(tg.ConfigError, match="--val_batch_size"):
         next(tg.validation_batches(tokens, 2048, 1024, 0, 1, 3, CPU))
-    with pytest.raises(tg.DataError, match="needs one more"):
+    with pytest.raises(tg.DataError, match="--val_tokens 3000 needs 3001"):
         tg.read_validation_tokens(pattern, 3001)
     with pytest.raises(tg.DataError, match="no validation shards"):
         tg.read_validation_tokens(str(tmp_path / "none_*.bin"), 2049)
@@ -397,7 +397,7 @@ def test_tiny_model_learns_synthetic_corpus(tmp_path, one_thread):
                         "--muon_momentum_cooldown_steps", "0", "--adam_lr", "0.03"])
     hp = dataclasses.replace(hp, vocab_size=513)  # remapped ids (the flag itself needs room for BOS 50256)
     torch.manual_seed(0)
-    model = tg.build_model(hp, 1, CPU)
+    model = tg.build_model(hp, CPU)
     muon, adam = tg.make_optimizers(model, hp)
     loader = tg.TrainLoader(str(tmp_path / "synthetic_train_*.bin"), 0, 1, CPU, cycle=True)
     val_tokens = tg.read_validation_tokens(str(tmp_path / "synthetic_val_*.bin"), 8193)

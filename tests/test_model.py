@@ -349,18 +349,16 @@ def test_tied_embedding_and_head(monkeypatch):
 
 # ------------------------------------------------------------------------------ parameter inventory
 
-def _expected_count(world_size):
+def _expected_count():
     # By hand from the architecture (record config, vocab padded to 50304, dim 768, 6 heads x 128):
     #   lm_head (tied embedding)        50304 x 768               = 38,633,472
     #   3 value embeddings          3 x 50304 x 768               = 115,900,416
     #   10 attention layers        10 x (3072 x 768 + 6 x 12)     = 23,593,680
     #   11 MLPs                    11 x 2 x 3072 x 768            = 51,904,512
     #   smear gate                  1 x 12                        = 12
-    #   scalars 11 resid + 11 x0 + 22 attn + smear + backout + skip = 47, padded to a multiple of W
-    #   total without scalars                                     = 230,032,092
-    # W=1: 230,032,139; W=2,4,8: 230,032,140
-    scalars = 47 + (-47 % world_size)
-    return 50304 * 768 + 3 * 50304 * 768 + 10 * (3072 * 768 + 6 * 12) + 11 * 2 * 3072 * 768 + 12 + scalars
+    #   scalars 11 resid + 11 x0 + 22 attn + smear + backout + skip = 47 (DistAdam pads its own shards)
+    #   total                                                     = 230,032,139
+    return 50304 * 768 + 3 * 50304 * 768 + 10 * (3072 * 768 + 6 * 12) + 11 * 2 * 3072 * 768 + 12 + 47
 
 
 EXPECTED_TAGS = {  # (module attribute suffix) -> (label, lr_mul, wd_mul) of the recipe
@@ -381,19 +379,18 @@ def _expected_tag(name):
     return matches[0]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
-def test_record_parameter_inventory(world_size):
+def test_record_parameter_inventory():
     with torch.device("meta"):
-        model = tg.GPT(**RECORD, world_size=world_size)
+        model = tg.GPT(**RECORD)
     params = dict(model.named_parameters())
-    assert sum(p.numel() for p in params.values()) == _expected_count(world_size)
+    assert sum(p.numel() for p in params.values()) == _expected_count() == 230_032_139
     for name, p in params.items():
         assert (p.label, p.lr_mul, p.wd_mul) == _expected_tag(name), name
     shapes = [tuple(p.shape) for p in params.values()]
     assert shapes.count((3072, 768)) == 10 + 22  # 10 merged attention + 11 x (fc, proj)
     assert shapes.count((6, 12)) == 10 and shapes.count((1, 12)) == 1
     assert shapes.count((50304, 768)) == 4  # head + 3 value embeddings
-    assert model.scalars.shape == (47 + (-47 % world_size),)
+    assert model.scalars.shape == (47,)
     assert sum(1 for b in model.blocks if b.attn is None) == 1 and model.blocks[6].attn is None
 
     muon, adam = tg.split_params_for_optimizers(model)
@@ -405,7 +402,7 @@ def test_record_parameter_inventory(world_size):
 
 def test_cpu_preset_split_covers_every_parameter_once():
     hp = tg.parse_args(["--preset", "cpu"])
-    model = tg.build_model(hp, 1, torch.device("cpu"))
+    model = tg.build_model(hp, torch.device("cpu"))
     muon, adam = tg.split_params_for_optimizers(model)
     ids = [id(p) for p in muon + adam]
     assert len(ids) == len(set(ids)) == len(list(model.parameters()))
@@ -422,16 +419,13 @@ def test_cpu_preset_split_covers_every_parameter_once():
         tg.split_params_for_optimizers(model)
 
 
-@pytest.mark.parametrize("world_size,length", [(1, 47), (2, 48), (3, 48), (4, 48), (5, 50), (8, 48), (16, 48)])
-def test_scalars_layout_and_padding(world_size, length):
+def test_scalars_layout():
     L = 11
     expected = [1.1] * L + [0.0] * L + [0.5, 1.0] * L + [0.0, 0.5, -1.5]
-    s = tg.initial_scalars(L, world_size)
-    assert s.shape == (length,) and length % world_size == 0
-    torch.testing.assert_close(s[:47], torch.tensor(expected), rtol=0, atol=0)
-    assert torch.equal(s[47:], torch.ones(length - 47))
+    s = tg.initial_scalars(L)
+    assert torch.equal(s, torch.tensor(expected))
     # the model's views read the same layout
-    model = tg.GPT(1000, L, 2, 16, 32, world_size=world_size)
+    model = tg.GPT(1000, L, 2, 16, 32)
     assert torch.equal(model.scalars.detach(), s)
     views = model.scalar_views()
     assert torch.equal(views["resid"], torch.full((L,), 1.1))

@@ -61,9 +61,9 @@ def trainer(tmp_path):
 
 @pytest.mark.parametrize("step", [0, 1], ids=["normuon-only step", "adam step"])
 def test_train_step_has_no_host_syncs_besides_the_cpu_attention(trainer, step):
-    trainer.train_step(0)  # the first step allocates optimizer state; count a steady-state step
+    trainer.train_step(0, *trainer.schedule(0))  # the first step allocates optimizer state; count a steady-state step
     with SyncCounter() as counter:
-        trainer.train_step(step + 2)
+        trainer.train_step(step + 2, *trainer.schedule(step + 2))
     assert trainer.accum == 2  # two micro-steps: the NorMuon hooks start the reductions on the last
     host_reads = counter.events.count("host read (.item/.tolist/float)")
     assert host_reads == 2 * trainer.accum, counter.summary()  # the tiled attention's two windows
@@ -80,9 +80,9 @@ def test_the_count_would_catch_a_sync_in_the_optimizer(trainer, monkeypatch):
         return real(self, group, grad, weight, p)
 
     monkeypatch.setattr(tg.DistAdam, "_adam_update", with_item)
-    trainer.train_step(0)
+    trainer.train_step(0, *trainer.schedule(0))
     with SyncCounter() as counter:
-        trainer.train_step(1)  # an Adam step: one read per DistAdam parameter group (5)
+        trainer.train_step(1, *trainer.schedule(1))  # an Adam step: one read per DistAdam parameter group (5)
     assert counter.events.count("host read (.item/.tolist/float)") == 2 * trainer.accum + 5, counter.summary()
     assert len(counter.syncs()) == 2 * trainer.accum + 5
 

@@ -284,3 +284,17 @@ def test_non_finite_loss_stops_with_step(corpus, tmp_path, capsys, restore_threa
     # stopped at once: the loss is checked one step late (the host never waits for the device), so at most
     # one more step line than the failing step's own
     assert f"step:{step + 1}/6 train_time" in log and f"step:{step + 2}/6 train_time" not in log
+
+
+@pytest.mark.slow
+def test_profile_writes_a_trace_or_warns_that_it_will_not(corpus, tmp_path, capsys, restore_threads):
+    """--profile 1:2 records step 1 into logs/<id>_trace.json; a range that ends at or after the last
+    step warns at the start that no trace will be written (and writes none)."""
+    run = ["--num_scheduled_iterations", 2, "--num_extension_iterations", 1, "--log_dir", tmp_path]
+    result, code, _ = run_main(tiny(corpus, *run, "--run_id", "prof", "--profile", "1:2"), capsys)
+    assert code == 0 and (tmp_path / "prof_trace.json").stat().st_size > 0
+    assert "profiler trace of steps 1:2 written to" in (tmp_path / "prof.txt").read_text()
+    result, code, _ = run_main(tiny(corpus, *run, "--run_id", "late", "--profile", "1:3"), capsys)
+    log = (tmp_path / "late.txt").read_text()
+    assert code == 0 and "warning: --profile 1:3 ends at or after the run's last step (3)" in log
+    assert not (tmp_path / "late_trace.json").exists()

@@ -172,14 +172,14 @@ def count_host_syncs(trainer, step):
     operations that would synchronize on CUDA (SyncCounter)."""
     if trainer.device.type != "cuda":
         with SyncCounter() as counter:
-            trainer.train_step(step)
+            trainer.train_step(step, *trainer.schedule(step))
         return len(counter.syncs()), counter.summary()
     sync()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.train_step(step)
+            trainer.train_step(step, *trainer.schedule(step))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     messages = sorted({str(w.message).splitlines()[0][:80] for w in caught})
@@ -210,7 +210,7 @@ def record_model(device, dry_run):
     for step in range(steps):
         sync()
         start = time.perf_counter()
-        trainer.train_step(step)
+        trainer.train_step(step, *trainer.schedule(step))
         sync()
         times.append((step, time.perf_counter() - start))
     trainer.validate(tg.final_window_blocks(trainer.hp))
@@ -223,9 +223,9 @@ def record_model(device, dry_run):
     pace = f"{tokens_per_gpu:,.0f} tokens/s per GPU at the stage-3 batch (median step {median:.1f} ms)"
     if device.type == "cuda":
         check("throughput", tokens_per_gpu >= RECORD_PACE_TOKENS_PER_GPU, f"{pace}; record pace {RECORD_PACE_TOKENS_PER_GPU:,}")
-        train_peak = max(trainer.peak_bytes, torch.cuda.max_memory_allocated())
-        check("memory", train_peak < H100_BYTES and trainer.eval_peak_bytes < H100_BYTES,
-              f"peak allocated: training {train_peak / 2**30:.1f} GiB, validation {trainer.eval_peak_bytes / 2**30:.1f} GiB")
+        train_peak, eval_peak = trainer.stats.train_peak_bytes(), trainer.stats.eval_peak_bytes
+        check("memory", train_peak < H100_BYTES and eval_peak < H100_BYTES,
+              f"peak allocated: training {train_peak / 2**30:.1f} GiB, validation {eval_peak / 2**30:.1f} GiB")
     else:
         report("SKIP", "throughput", f"{pace} (CPU dry run: no target)")
         report("SKIP", "memory", "CPU dry run")
