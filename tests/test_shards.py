@@ -1,6 +1,7 @@
 """Tests for data/shards.py beyond the cross-implementation checks of test_shard_format.py (exact
 bytes, header-only validation, file mode, the validating CLI), and for the conventions shared by
-all data/ scripts: one BOS constant, one DataError, no sys.path edits, and one-line CLI errors
+all data/ scripts (and tools/bench_loader.py): one BOS constant, one DataError, no sys.path edits
+in data/, and one-line CLI errors
 (``<script>: error: <message>``, exit status 2)."""
 
 import ast
@@ -13,14 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = ROOT / "data"
 if str(DATA_DIR) not in sys.path:
     sys.path.insert(0, str(DATA_DIR))
 
 import shards  # noqa: E402
 from shards import BOS_ID, DataError, read_shard, validate_shard, write_shard  # noqa: E402
 
-SCRIPTS = ["cached_fineweb10B.py", "fineweb.py", "novels.py", "shards.py", "bench_loader.py"]
+SCRIPTS = ["data/cached_fineweb10B.py", "data/fineweb.py", "data/novels.py", "data/shards.py",
+           "tools/bench_loader.py"]
 
 
 def test_round_trip_bit_identical(tmp_path):
@@ -98,23 +101,29 @@ def test_cli_reports_every_file_and_fails_with_one_line(tmp_path, capsys):
 
 def test_one_bos_constant_one_error_class_no_sys_path_edits():
     for name in SCRIPTS:
-        source = (DATA_DIR / name).read_text(encoding="utf-8")
+        source = (ROOT / name).read_text(encoding="utf-8")
         tree = ast.parse(source)
         assigned = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
                     for t in node.targets if isinstance(t, ast.Name)}
         constants = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)}
         classes = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
-        if name == "shards.py":
+        if name == "data/shards.py":
             assert "BOS_ID" in assigned and "DataError" in classes
         else:
             assert not {n for n in assigned if "BOS" in n}, f"{name} defines its own BOS constant"
             assert 50256 not in constants, f"{name} spells out 50256 instead of importing shards.BOS_ID"
             assert "DataError" not in classes and "ShardError" not in classes, name
         assert "ShardError" not in source, name
-        assert not re.search(r"sys\.path\.(insert|append)|sys\.path\s*[+]?=", source), f"{name} edits sys.path"
+        if name.startswith("data/"):  # tools/ scripts put the repository root on sys.path
+            assert not re.search(r"sys\.path\.(insert|append)|sys\.path\s*[+]?=|sys\.path\[", source), \
+                f"{name} edits sys.path"
         uses_bos = any(isinstance(node, ast.Attribute) and "BOS" in node.attr for node in ast.walk(tree))
         assert not uses_bos, f"{name} takes a BOS constant from another module than shards"
-    import bench_loader
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_loader
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
     import cached_fineweb10B
     import fineweb
     import novels
@@ -153,15 +162,16 @@ def bad_input(name, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("problem", ["bad_flag", "bad_input"])
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_scripts_fail_with_one_line_and_status_2(tmp_path, name, problem):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_fail_with_one_line_and_status_2(tmp_path, script, problem):
+    name = Path(script).name
     if problem == "bad_flag":
         args = ["--no-such-flag"] + ([str(tmp_path / "x.bin")] if name == "shards.py" else [])
         needle = "unrecognized arguments: --no-such-flag"
     else:
         args, needle = bad_input(name, tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, str(DATA_DIR / name), *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.endswith("\n"), proc.stderr
