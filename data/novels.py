@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from fineweb import ShardWriter, load_encoding, tokenize_documents, write_documents
-from shards import BOS_ID, CliParser, DataError, atomic_write, describe_os_error, exit_with_error
+from shards import BOS_ID, CliParser, DataError, describe_os_error, exit_with_error, write_atomically
 
 _HERE = Path(__file__).resolve().parent
 
@@ -180,7 +180,7 @@ def download_novels(cache_dir: str | os.PathLike, names=NOVELS, progress: bool =
             reason = " ".join(str(getattr(e, "reason", e)).split())[:150]
             raise DataError(f"could not download {url} ({reason}); check your internet "
                             f"connection, or pass --src DIR with the .txt files") from None
-        atomic_write(path, [data])
+        write_atomically(path, data)
     return {name: read_novel(cache_dir / f"{name}.txt") for name in names}
 
 
@@ -196,7 +196,7 @@ def _sha256(path: Path) -> str:
 
 def _write_json(path: Path, obj) -> None:
     text = json.dumps(obj, indent=1, ensure_ascii=False) + "\n"
-    atomic_write(path, [text.encode("utf-8")])
+    write_atomically(path, text.encode("utf-8"))
 
 
 def build(texts: dict[str, str], out_dir: str | os.PathLike, enc, *,

@@ -17,7 +17,8 @@ from shards import BOS_ID as BOS, validate_shard, write_shard  # noqa: E402
 def small_shard(path, n=16):
     tokens = np.arange(n, dtype=np.uint16)
     tokens[0] = BOS
-    return write_shard(path, tokens)
+    write_shard(path, tokens)
+    return path
 
 
 class FakeHub:

@@ -1,6 +1,6 @@
 """Throughput of the BOS-aligned training loader (train_gpt.TrainLoader.next_batch) on CPU.
 
-    python data/bench_loader.py [--tokens 20000000] [--shards 2] [--seconds 5]
+    python tools/bench_loader.py [--tokens 20000000] [--shards 2] [--seconds 5]
 
 Writes synthetic shards with realistic document lengths (log-normal, mean ~1000 tokens, some far
 longer than max_seq_len) into a temporary folder and measures, for the record shape
@@ -10,12 +10,12 @@ longer than max_seq_len) into a temporary folder and measures, for the record sh
 in tokens per second of this process (the tokens it receives), shard crossings included.
 Requirement: >= 5 million tokens/s per process; exit status 0 if it is met, 1 if not.
 Bad flags, a corpus too small for a batch, or a failure to write the temporary shards print
-one line ``bench_loader.py: error: ...`` on stderr and exit with status 2.
+one line ``bench_loader.py: error: ...`` on stderr and exit with status 2 (the data/ scripts'
+convention, from data/shards.py).
 
-The loader is the trainer's own: ``train_gpt.py`` one folder up, imported from its file.
+The loader and the shard writer are the trainer's own: ``train_gpt.py`` one folder up.
 """
 
-import importlib.util
 import sys
 import tempfile
 import time
@@ -23,31 +23,20 @@ from pathlib import Path
 
 import numpy as np
 
-from shards import BOS_ID, CliParser, describe_os_error, exit_with_error
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "data")]  # train_gpt.py, and data/shards.py for the CLI helpers
+
+import torch  # noqa: E402
+
+import train_gpt as tg  # noqa: E402
+from shards import BOS_ID, CliParser, describe_os_error, exit_with_error  # noqa: E402
 
 PROG = "bench_loader.py"
-TRAINER = Path(__file__).resolve().parents[1] / "train_gpt.py"
 REQUIRED = 5e6
-
-
-def load_trainer():
-    """The ``train_gpt`` module of this repository (already imported, or loaded from TRAINER)."""
-    if "train_gpt" in sys.modules:
-        return sys.modules["train_gpt"]
-    spec = importlib.util.spec_from_file_location("train_gpt", TRAINER)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_gpt"] = module  # before running it, as `import` does (dataclasses look it up)
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules["train_gpt"]
-        raise
-    return module
 
 
 def write_corpus(folder, total_tokens, n_shards, seed=0):
     """BOS-started documents, log-normal lengths (median ~600, mean ~1000), random GPT-2 ids."""
-    tg = load_trainer()
     rng = np.random.default_rng(seed)
     lengths = []
     while sum(lengths) < total_tokens:
@@ -66,9 +55,6 @@ def write_corpus(folder, total_tokens, n_shards, seed=0):
 
 
 def measure(pattern, rank, world, rank_tokens, max_seq_len, seconds):
-    import torch
-
-    tg = load_trainer()
     start = time.perf_counter()
     loader = tg.TrainLoader(pattern, rank, world, torch.device("cpu"), cycle=True)
     setup = time.perf_counter() - start
@@ -98,12 +84,6 @@ def main(argv=None):
     if args.shards > args.tokens:
         parser.error(f"--shards {args.shards}: more shards than --tokens {args.tokens}")
     try:
-        tg = load_trainer()
-    except ImportError as e:
-        exit_with_error(PROG, f"cannot import {TRAINER} ({e}); pip install -r requirements.txt")
-    except OSError as e:
-        exit_with_error(PROG, f"cannot load the trainer ({describe_os_error(e)})")
-    try:
         return run(args)
     except tg.DataError as e:
         exit_with_error(PROG, f"{e}; pass a larger --tokens or fewer --shards")
@@ -112,8 +92,6 @@ def main(argv=None):
 
 
 def run(args):
-    import torch
-
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
