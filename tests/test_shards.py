@@ -196,6 +196,28 @@ def test_writer_refuses_ids_outside_the_vocabulary(tmp_path, bad):
     assert list(tmp_path.iterdir()) == []  # neither the shard nor a temp file
 
 
+@pytest.mark.parametrize("bad", [np.zeros((2, 3), dtype=np.int64), np.array([1.5, 2.0])], ids=["2-D", "float"])
+def test_writer_refuses_arrays_that_are_not_1d_integer_ids(tmp_path, bad):
+    path = tmp_path / "bad.bin"
+    with pytest.raises(DataError, match="tokens must be a 1-D array of integer ids"):
+        write_shard(path, bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reader_names_a_shard_that_shrinks_while_it_is_read(tmp_path, monkeypatch):
+    path = tmp_path / "s.bin"
+    write_shard(path, np.arange(100))
+    real_open = Path.open
+
+    def open_then_truncate(self, *args, **kwargs):  # another process cuts the file after the size check
+        f = real_open(self, *args, **kwargs)
+        os.truncate(self, 1024 + 50)
+        return f
+    monkeypatch.setattr(Path, "open", open_then_truncate)
+    with pytest.raises(DataError, match=r"s\.bin: the shard shrank while it was read \(50 of 200 bytes\)"):
+        read_shard(path)
+
+
 @pytest.mark.parametrize("failing", ["replace", "fsync"])
 def test_failed_write_keeps_the_old_shard_and_no_temp_file(tmp_path, monkeypatch, failing):
     path = tmp_path / "s.bin"
