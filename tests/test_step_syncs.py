@@ -8,7 +8,9 @@ SDPA attention (a CPU fallback) reads its short and long window on the host to s
 GPU path's forward is traced with fullgraph=True (tests/test_compile_trace.py), where any such read
 would be a graph break."""
 import importlib.util
+import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -89,9 +91,9 @@ def test_the_count_would_catch_a_sync_in_the_optimizer(trainer, monkeypatch):
 
 @pytest.mark.slow
 def test_gpu_smoke_script_dry_run():
-    """tools/gpu_smoke.sh --dry-run: every check runs at toy sizes on CPU and none fails."""
+    """tools/gpu_smoke.sh --dry-run, with this interpreter: every check runs at toy sizes on CPU and none fails."""
     result = subprocess.run(["bash", str(ROOT / "tools" / "gpu_smoke.sh"), "--dry-run"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600)
+                            text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
     checks = [line for line in result.stdout.splitlines() if line.split(" ", 1)[0] in ("PASS", "FAIL", "SKIP")]
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     names = {line.split()[1].rstrip(":") for line in checks}
