@@ -342,7 +342,7 @@ class RecordRun:
                 losses.append(trainer.train_step(step, *trainer.schedule(step)).item())
                 if step == 0:
                     seconds = time.perf_counter() - start
-                    report_compile(self.device, self.training_graphs()[0][1], seconds)
+                    report_compile(self.device, ", ".join(what for _, what in self.training_graphs()), seconds)
                 unmoved.append({names[p] for p in names if torch.equal(p, initial[p])})
                 ends.append(len(log))
         finally:
@@ -492,9 +492,12 @@ class RecordRun:
         attention = model.attention
         model.attention = tg.TiledWindowAttention() if self.device.type == "cuda" else tg.FlexWindowAttention()
         try:
+            start = time.perf_counter()
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
                 eager = model(*batch, windows).item() / tokens
+            for _, what in self.eager_reference_graphs():
+                report_compile(self.device, what, time.perf_counter() - start)
         finally:
             model.attention = attention
         require(abs(compiled - eager) < 5e-3, f"loss/token compiled {compiled:.5f}, eager {eager:.5f}")
