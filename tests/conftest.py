@@ -1,4 +1,4 @@
-"""Shared test setup: the repo root on sys.path, Triton's CPU interpreter when there is no GPU."""
+"""Shared test setup: the repo root and tools/ on sys.path, Triton's CPU interpreter when there is no GPU."""
 import os
 import sys
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # train_gpt; smoke_checks (the GPU smoke's checks)
 
 # triton.jit reads this when kernels are decorated, i.e. when train_gpt is first imported.
 if not torch.cuda.is_available():

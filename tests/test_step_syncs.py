@@ -1,5 +1,5 @@
 """No host-device synchronization inside a training step (besides the designed, one-step-late
-non-finite check, which is outside train_step). Counted on CPU with tools/gpu_smoke.py's SyncCounter,
+non-finite check, which is outside train_step). Counted on CPU with tools/smoke_checks.py's SyncCounter,
 which records the operations that would make the host wait on CUDA; tools/gpu_smoke.sh measures the
 same on a GPU with CUDA's sync debug mode.
 
@@ -7,19 +7,19 @@ Documented count for one train_step: 0 on the GPU path. On the CPU path, 2 per m
 SDPA attention (a CPU fallback) reads its short and long window on the host to size its tiles; the
 GPU path's forward is traced with fullgraph=True (tests/test_compile_trace.py), where any such read
 would be a graph break."""
-import importlib.util
+import os
+import re
 import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
 
+import smoke_checks
 import train_gpt as tg
 from conftest import ROOT
-
-spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "tools" / "gpu_smoke.py")
-gpu_smoke = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpu_smoke)
-SyncCounter = gpu_smoke.SyncCounter
+from smoke_checks import SyncCounter
 
 
 def test_counter_sees_each_kind_of_sync():
@@ -39,6 +39,18 @@ def test_counter_sees_each_kind_of_sync():
     assert counter.events.count("host read (.item/.tolist/float)") == 2, kinds
     assert "tensor from Python data" in kinds and "boolean-mask indexing" in kinds, kinds
     assert "data-dependent size (aten.nonzero.default)" in kinds, kinds
+
+
+def test_on_cuda_only_the_sync_debug_warnings_count():
+    """CUDA's sync debug mode reports through warnings; any other warning in the step is no sync."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("called a synchronizing CUDA operation (Triggered internally at CUDAFunctions.cpp)")
+        warnings.warn("flex_attention called without torch.compile()")
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("torch.cuda.amp.autocast is deprecated", FutureWarning)
+    assert [str(w.message)[:40] for w in smoke_checks.sync_debug_warnings(caught)] == \
+        ["called a synchronizing CUDA operation (T", "called a synchronizing CUDA operation"]
 
 
 @pytest.fixture
@@ -89,12 +101,23 @@ def test_the_count_would_catch_a_sync_in_the_optimizer(trainer, monkeypatch):
 
 @pytest.mark.slow
 def test_gpu_smoke_script_dry_run():
-    """tools/gpu_smoke.sh --dry-run: every check runs at toy sizes on CPU and none fails."""
+    """tools/gpu_smoke.sh --dry-run, with this interpreter: the plan first, then every check at toy sizes on
+    CPU, each with its seconds and budget; none fails, and the only SKIPs are the CUDA-only checks."""
     result = subprocess.run(["bash", str(ROOT / "tools" / "gpu_smoke.sh"), "--dry-run"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600)
-    checks = [line for line in result.stdout.splitlines() if line.split(" ", 1)[0] in ("PASS", "FAIL", "SKIP")]
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    names = {line.split()[1].rstrip(":") for line in checks}
-    assert {"versions", "fp8_head", "compiles_in_timed_loop", "host_syncs_per_step", "compiled_vs_eager",
-            "overall"} <= names, checks
-    assert not [line for line in checks if line.startswith("FAIL")]
+                            text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    plan = re.fullmatch(r"plan: (\d+) checks, (\d+) graphs to compile on CUDA, budget (\d+) s \(CPU dry run; on CUDA: "
+                        r"(\d+) s\)", lines[0])
+    assert plan, lines[0]
+    checks = {m[2]: m for m in (re.match(r"(PASS|FAIL|SKIP|INFO) (\w+) \[[\d.]+ s, budget \d+ s(, over)?\]: ", line)
+                                for line in lines) if m}
+    names = smoke_checks.check_names()
+    assert list(checks) == names and int(plan[1]) == len(names), (list(checks), lines)
+    cuda_plan = smoke_checks.SmokePlan(torch.device("cuda"), None)
+    assert int(plan[2]) == len(cuda_plan.graphs()) > 0 and int(plan[4]) == round(cuda_plan.budget_s())
+    assert f"`{cuda_plan.plan_line()}`" in (ROOT / "README.md").read_text(encoding="utf-8")  # the README's example
+    assert {n for n, m in checks.items() if m[1] == "SKIP"} == {c.name for c in cuda_plan.checks if c.cuda_only}
+    assert not [n for n, m in checks.items() if m[1] == "FAIL"]
+    assert checks["train_steps_move_every_parameter"][1] == "PASS"
+    assert lines[-1].startswith("PASS overall: 0 failed check(s)")

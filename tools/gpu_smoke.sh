@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One-GPU smoke test of the record path: one line per check (PASS / FAIL / SKIP), exit 1 on a FAIL.
-#   tools/gpu_smoke.sh            on a machine with a CUDA GPU (5-8 minutes on one H200)
-#   tools/gpu_smoke.sh --dry-run  the same checks at toy sizes on CPU (CI runs this)
+# One-GPU smoke test of the record path: the plan, then one line per check (PASS / FAIL / SKIP / INFO),
+# exit 1 on a FAIL. $PYTHON picks the interpreter (default python3: many CUDA images have no `python`).
+#   tools/gpu_smoke.sh            on a machine with a CUDA GPU (about 5 minutes cold on one H200)
+#   tools/gpu_smoke.sh --dry-run  the same checks at toy sizes on the CPU (the test suite runs this)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python tools/gpu_smoke.py "$@"
+exec "${PYTHON:-python3}" tools/gpu_smoke.py "$@"

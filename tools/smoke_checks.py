@@ -1,0 +1,761 @@
+"""The checks of the one-GPU smoke test as plain functions of a device and a size, shared by
+tools/gpu_smoke.py (the script) and tests/test_gpu.py (the suite): at the record's shapes on CUDA, at
+toy shapes on the CPU, so that a deterministic failure shows on the CPU first.
+
+A check returns its detail line or raises CheckFailed. Only what needs CUDA is CUDA-only (Check.cuda_only
+says why; the CPU reports SKIP): CUDA memory statistics, FP8 hardware speed and compiled Triton kernels'
+speed. The sync count runs on both (CUDA's sync debug mode, or SyncCounter on the CPU), so do the
+kernels' results (the Triton interpreter on the CPU).
+
+The record-model checks share one RecordRun with one batch size for the whole run, so the training step
+is one compiled graph. Model-specific choices live in RECORD and TOY (the sizes) and in RecordRun.
+"""
+import functools
+import gc
+import math
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import train_gpt as tg
+
+ROOT = Path(__file__).resolve().parents[1]
+# The 8xH100 record: 393,216 tokens per step in 90.5 ms on 8 GPUs; one GPU has to reach this before any
+# communication is added.
+RECORD_PACE_TOKENS_PER_GPU = 543_000
+H100_BYTES = 80 * 2**30
+# Cold compile seconds assumed per graph on one H200 (16 CPU cores compile), for the budgets: estimates,
+# not measurements; the run prints the measured seconds of each.
+# The training step's figure includes the Triton autotuning of Polar Express's kernels in its first optimizer step.
+COMPILE_BUDGET_S = {"training": 130, "fp8": 5, "validation": 45, "flex": 30}
+# The kernels' dtype and tolerance (max |Triton - torch| / max |torch|): bf16 compiled on CUDA, fp32 under
+# the Triton interpreter on the CPU (it has no bf16 tl.dot)
+KERNEL_PRECISION = {"cuda": (torch.bfloat16, 1e-2), "cpu": (torch.float32, 1e-5)}
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def require(ok, message):
+    if not ok:
+        raise CheckFailed(message)
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, device, repeats):
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(1000 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
+def compiled_graphs():
+    """Graphs dynamo has compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def report_compile(device, what, seconds):
+    """Each graph's compile seconds, printed as its first call returns (CUDA only: the CPU runs eagerly)."""
+    if device.type == "cuda":
+        print(f"compiled {what} in {seconds:.1f} s (first call, its run included)", flush=True)
+
+
+def relative_error(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def cosine(a, b):
+    return (a.flatten() @ b.flatten() / (a.norm() * b.norm())).item()
+
+
+# ---------------------------------------------------------------------------------------------- sizes
+
+def padded_vocab(hp):
+    return -(-hp.vocab_size // 128) * 128  # as GPT pads its embedding
+
+
+def micro_batch_tokens(hp, world_size=1):
+    """Tokens per forward pass at the largest batch size."""
+    return tg.tokens_per_rank(max(hp.batch_sizes), world_size, tg.grad_accum_steps(hp, world_size))
+
+
+@dataclass(frozen=True)
+class Size:
+    """What differs between the CUDA run (the record's shapes) and the CPU (toy shapes)."""
+    name: str
+    trainer_flags: tuple  # on top of the record's defaults; the run then uses their largest batch size throughout
+    head: tuple  # (tokens, dim, vocab) of the FP8 head check
+    polar_stack: int  # matrices of the MLP's shape in the Polar Express check
+    attention_tokens: int  # sequence length of the attention check (not a multiple of 128)
+    timed_steps: tuple  # (scheduled, extension) steps of the timed loop
+    timing_repeats: int
+    tile_shape: tuple  # input of the tile-configuration check
+
+    def hp(self):
+        return tg.parse_args(list(self.trainer_flags))
+
+
+RECORD_HP = tg.parse_args([])
+RECORD = Size("record", trainer_flags=(), head=(micro_batch_tokens(RECORD_HP), RECORD_HP.model_dim, padded_vocab(RECORD_HP)),
+              polar_stack=16, attention_tokens=3000, timed_steps=(9, 3), timing_repeats=10,
+              # multiples of 16 like the record's matrices, so Triton reuses the kernels it compiled for training
+              tile_shape=(208, 80))
+TOY = Size("toy", trainer_flags=("--preset", "cpu", "--num_layers", "9", "--model_dim", "64", "--num_heads", "2",
+                                 "--head_dim", "32", "--batch_sizes", "512", "512", "512", "--val_batch_size", "1024",
+                                 "--cpu_threads", "2"),
+           head=(512, 64, 1024), polar_stack=2, attention_tokens=2000, timed_steps=(3, 1), timing_repeats=1,
+           tile_shape=(200, 72))
+
+
+def size_for(device):
+    return RECORD if device.type == "cuda" else TOY
+
+
+# ---------------------------------------------------------------------------------------------- host syncs
+
+class SyncCounter(TorchDispatchMode):
+    """Records, on any device, the operations that make the host wait for a CUDA device: reading a
+    value (.item(), .tolist(), float(t): _local_scalar_dense), ops whose output size depends on data
+    (nonzero, masked_select, boolean indexing, ...), and tensors made from Python data inside the
+    region (torch.tensor(...), indexing with a Python list: on CUDA a copy from the host)."""
+
+    DATA_DEPENDENT = {"aten.nonzero.default", "aten.masked_select.default", "aten._unique2.default",
+                      "aten.unique_dim.default", "aten.repeat_interleave.Tensor", "aten.unique_consecutive.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name == "aten._local_scalar_dense.default":
+            self.events.append("host read (.item/.tolist/float)")
+        elif name in self.DATA_DEPENDENT:
+            self.events.append(f"data-dependent size ({name})")
+        elif name == "aten.index.Tensor" and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self.events.append("boolean-mask indexing")
+        elif name in ("aten.lift_fresh.default", "aten.lift_fresh_copy.default"):
+            self.events.append("batch to device (by design: pinned, non-blocking on CUDA)" if self._in_to_device()
+                               else "tensor from Python data")
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _in_to_device():
+        """Whether the loader's to_device (the batch's designed host-to-device transfer) is the caller."""
+        frame = sys._getframe()
+        while frame is not None:
+            if frame.f_code.co_name == "to_device" and frame.f_code.co_filename.endswith("train_gpt.py"):
+                return True
+            frame = frame.f_back
+        return False
+
+    def syncs(self):
+        """The events that make the host wait (the batch transfers do not)."""
+        return [event for event in self.events if not event.startswith("batch to device")]
+
+    def summary(self):
+        return count_summary(self.events)
+
+
+def count_summary(events):
+    counts = {}
+    for event in events:
+        counts[event] = counts.get(event, 0) + 1
+    return "; ".join(f"{n} x {event}" for event, n in sorted(counts.items())) or "none"
+
+
+SYNC_DEBUG_WARNING = "called a synchronizing CUDA operation"  # c10's text in torch.cuda.set_sync_debug_mode("warn")
+
+
+def sync_debug_warnings(caught):
+    """The sync debug mode's own warnings among those caught (others, say a deprecation, are no syncs)."""
+    return [w for w in caught if SYNC_DEBUG_WARNING in str(w.message)]
+
+
+def count_host_syncs(trainer, step):
+    """(count, summary) of the synchronizing calls inside one train_step: CUDA's own sync debug mode on a
+    GPU; on the CPU the operations that would synchronize on CUDA (SyncCounter)."""
+    if trainer.device.type != "cuda":
+        with SyncCounter() as counter:
+            trainer.train_step(step, *trainer.schedule(step))
+        return len(counter.syncs()), counter.summary()
+    synchronize(trainer.device)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train_step(step, *trainer.schedule(step))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = sync_debug_warnings(caught)
+    return len(syncs), count_summary(f"{w.filename}:{w.lineno}" for w in syncs)
+
+
+# ---------------------------------------------------------------------------------------------- the record run
+
+def once(phase):
+    """A phase of the record run runs once; later calls return its result or raise its error again."""
+    @functools.wraps(phase)
+    def run(self):
+        if phase.__name__ not in self._phases:
+            try:
+                self._phases[phase.__name__] = (True, phase(self))
+            except Exception as e:  # noqa: BLE001 - kept for the checks that depend on this phase
+                self._phases[phase.__name__] = (False, e)
+        ok, value = self._phases[phase.__name__]
+        if not ok:
+            raise value
+        return value
+    return run
+
+
+def gradient_state(grad):
+    if grad is None:
+        return "missing"
+    if not torch.isfinite(grad).all():
+        return "non-finite"
+    return "nonzero" if grad.count_nonzero() else "zero"
+
+
+def gradient_states(log, names):
+    """Parameter name -> the set of gradient states note_gradients logged for it."""
+    seen = {}
+    for entry in log:
+        for p, state in entry.items():
+            seen.setdefault(names[p], set()).add(state)
+    return seen
+
+
+def note_gradients(optimizer, log):
+    """Make this optimizer instance note each parameter's gradient_state as each step() starts; returns
+    the undo (the class's step() again)."""
+    step = optimizer.step
+
+    def noting_step():
+        log.append({p: gradient_state(p.grad) for group in optimizer.param_groups for p in group["params"]})
+        step()
+
+    optimizer.step = noting_step
+    return lambda: delattr(optimizer, "step")
+
+
+@dataclass
+class FirstSteps:
+    loss_per_token: float  # step 0's, at initialization
+    vocab: int
+    names: set  # of every parameter
+    unmoved: list  # names of the parameters still at their initial values after each step
+    gradients: dict  # name -> the gradient states its optimizer saw (gradient_state)
+    early_gradients: dict  # the same in steps 0-1
+    seconds: float  # of the first step (on CUDA: the training graph's compilation)
+
+
+@dataclass
+class TimedLoop:
+    step_seconds: list
+    train_peak_bytes: int
+    eval_peak_bytes: int
+    reserved_bytes: int
+    new_graphs: int
+
+
+class RecordRun:
+    """The record configuration (toy sizes on the CPU) on a synthetic corpus, at one batch size throughout:
+    three steps from initialization, the Trainer's warm-up, a timed loop and a validation, then single
+    steps and passes for the remaining checks. Each phase runs once, when a check first needs it."""
+
+    MOVE_STEPS = 3  # NorMuon thrice, DistAdam once (odd steps)
+
+    def __init__(self, device, size, folder):
+        self.device, self.size, self.folder = device, size, Path(folder) if folder else None
+        self.argv = self._argv()
+        self.hp = tg.parse_args(self.argv)
+        self._phases, self._trainer, self._threads = {}, None, torch.get_num_threads()
+
+    def _argv(self):
+        hp = self.size.hp()
+        batch = str(max(hp.batch_sizes))  # one training graph
+        scheduled, extension = self.size.timed_steps
+        folder = self.folder or Path("unused")
+        return [*self.size.trainer_flags, "--device", self.device.type, "--batch_sizes", batch, batch, batch,
+                "--val_tokens", str(hp.val_batch_size),  # one validation step, of the record's size on CUDA
+                "--num_scheduled_iterations", str(scheduled), "--num_extension_iterations", str(extension),
+                "--warmup_steps", "1", "--val_loss_every", "0", "--log_dir", str(folder / "logs"),
+                "--train_files", str(folder / "synthetic_train_*.bin"), "--val_files", str(folder / "synthetic_val_*.bin")]
+
+    # --- what it compiles on CUDA ------------------------------------------------------------------
+    def training_graphs(self):
+        """(kind, description) of each graph the training steps compile: one per distinct micro-batch
+        length, with the FP8 head's compiled forward and backward helpers at each (counted unless
+        --fp8 off: planning from a CPU assumes an FP8 GPU)."""
+        accum = tg.grad_accum_steps(self.hp, 1)
+        lengths = sorted({tg.tokens_per_rank(b, 1, accum) for b in self.hp.batch_sizes})
+        graphs = [("training", f"the training step at {n:,} tokens per micro-step (forward+backward)") for n in lengths]
+        if self.hp.fp8 != "off":
+            graphs += [("fp8", f"the FP8 head's {part} at {n:,} tokens") for n in lengths for part in ("forward", "backward")]
+        return graphs
+
+    def validation_graphs(self):
+        n = tg.tokens_per_rank(self.hp.val_batch_size, 1, tg.grad_accum_steps(self.hp, 1))
+        return [("validation", f"the validation forward at {n:,} tokens")]
+
+    # --- phases ------------------------------------------------------------------------------------
+    @once
+    def trainer(self):
+        hp, batch = self.hp, max(self.hp.batch_sizes)
+        steps = hp.num_scheduled_iterations + hp.num_extension_iterations
+        # the longest stretch without a restore: the timed loop, two counted steps and one more batch, with
+        # room for the loader's BOS alignment
+        tg.synthetic_corpus(self.folder, train_tokens=max(2 * (steps + 3) * batch, 100_000),
+                            val_tokens=hp.val_tokens + 1)
+        self._trainer = tg.Trainer(hp, self.argv)
+        return self._trainer
+
+    @once
+    def first_steps(self):
+        trainer = self.trainer()
+        names = {p: n for n, p in trainer.model.named_parameters()}
+        initial_state = trainer.snapshot()
+        initial = {p: p.detach().clone() for p in names}
+        log, ends = [], []  # {parameter: gradient state} per optimizer step; where each train_step's entries end
+        undo = [note_gradients(opt, log) for opt in (trainer.matrix_opt, trainer.adam)]
+        unmoved, losses = [], []
+        start = time.perf_counter()
+        try:
+            for step in range(self.MOVE_STEPS):
+                losses.append(trainer.train_step(step, *trainer.schedule(step)).item())
+                if step == 0:
+                    seconds = time.perf_counter() - start
+                    report_compile(self.device, ", ".join(what for _, what in self.training_graphs()), seconds)
+                unmoved.append({names[p] for p in names if torch.equal(p, initial[p])})
+                ends.append(len(log))
+        finally:
+            for restore_step in undo:
+                restore_step()
+            trainer.restore(initial_state)  # as the warm-up does: the timed loop starts from initialization
+            trainer.model.rotary.reset()
+        rank_tokens = tg.tokens_per_rank(max(self.hp.batch_sizes), trainer.world_size, trainer.accum)
+        return FirstSteps(losses[0] / rank_tokens, trainer.model.lm_head.weight.shape[0], set(names.values()),
+                          unmoved, gradient_states(log, names), gradient_states(log[: ends[1]], names), seconds)
+
+    @once
+    def warm_up(self):
+        self.first_steps()
+        trainer = self.trainer()
+        graphs = compiled_graphs()
+        start = time.perf_counter()
+        trainer.validate(tg.window_blocks_at(0, self.hp))  # compiles the validation graph
+        synchronize(self.device)
+        validation_s = time.perf_counter() - start
+        report_compile(self.device, self.validation_graphs()[0][1], validation_s)
+        start = time.perf_counter()
+        trainer.warm_up()
+        return validation_s, time.perf_counter() - start, compiled_graphs() - graphs
+
+    @once
+    def timed_loop(self):
+        self.warm_up()
+        trainer = self.trainer()
+        graphs = compiled_graphs()
+        trainer.stats.reset_peaks()  # the first steps, the warm-up and anything before them do not count
+        times = []
+        for step in range(trainer.total_steps):
+            synchronize(self.device)
+            start = time.perf_counter()
+            trainer.train_step(step, *trainer.schedule(step))
+            synchronize(self.device)
+            times.append(time.perf_counter() - start)
+        train_peak = trainer.stats.train_peak_bytes()  # read before the validation, whose peak RunStats adds to it
+        trainer.validate(tg.final_window_blocks(self.hp))
+        reserved = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
+        return TimedLoop(times, train_peak, trainer.stats.eval_peak_bytes, reserved, compiled_graphs() - graphs)
+
+    def close(self):
+        if self._trainer is not None:
+            self._trainer.loader.close()
+            self._trainer = None
+            self._phases["trainer"] = (False, RuntimeError("the record run's trainer was released"))
+        torch.set_num_threads(self._threads)  # the CPU Trainer set its own
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # --- checks ------------------------------------------------------------------------------------
+    def check_parameters_move(self):
+        """Every parameter moves within three steps from initialization. Not all within two: a parameter
+        whose gradient is exactly zero stays (the smear gate's weights: their output is multiplied by the
+        smear lambda, which starts at 0 and is first changed by DistAdam at step 1). So after steps 0-1
+        (both optimizers have stepped) each parameter still in place must have had only zero gradients."""
+        first = self.first_steps()
+        require(set(first.gradients) == first.names, f"no optimizer steps {sorted(first.names - set(first.gradients))}")
+        bad = {name: states for name, states in first.gradients.items() if {"missing", "non-finite"} & states}
+        require(not bad, f"gradients missing or non-finite: {bad}")
+        expected = math.log(first.vocab)
+        require(abs(first.loss_per_token - expected) < 0.1,
+                f"loss/token at initialization {first.loss_per_token:.4f}, expected ln {first.vocab} = {expected:.4f}")
+        zero = {name for name, states in first.early_gradients.items() if states == {"zero"}}
+        unexplained = first.unmoved[1] - zero
+        require(not unexplained, f"not moved by steps 0-1 though their gradient was not zero: {sorted(unexplained)}")
+        require(not first.unmoved[-1], f"not moved in {self.MOVE_STEPS} steps: {sorted(first.unmoved[-1])}")
+        late = ", ".join(sorted(first.unmoved[1])) or "none"
+        return (f"{len(first.names)} parameters, all moved within {self.MOVE_STEPS} steps; still in place after "
+                f"steps 0-1, each with only zero gradients: {late}; loss/token at initialization "
+                f"{first.loss_per_token:.4f} (ln {first.vocab} = {expected:.4f}); first step {first.seconds:.1f} s")
+
+    def check_warm_up(self):
+        validation_s, warm_up_s, graphs = self.warm_up()
+        return (f"first validation {validation_s:.1f} s, the Trainer's warm-up (a step per stage, two validations) "
+                f"{warm_up_s:.1f} s; {graphs} graph(s) compiled (planned {len(self.validation_graphs())} on CUDA)")
+
+    def check_no_compiles_in_timed_loop(self):
+        loop = self.timed_loop()
+        require(loop.new_graphs == 0, f"{loop.new_graphs} graph(s) compiled in the timed loop and its validation")
+        return f"0 graphs compiled in {len(loop.step_seconds)} timed steps and the final validation"
+
+    def report_throughput(self):
+        loop, trainer = self.timed_loop(), self.trainer()
+        last = [t for step, t in enumerate(loop.step_seconds) if tg.stage_at(step, self.hp) >= 2]
+        median = sorted(last)[len(last) // 2]
+        batch = max(self.hp.batch_sizes)
+        per_gpu = batch / trainer.world_size / median
+        unit = "GPU" if self.device.type == "cuda" else "process"
+        line = (f"{per_gpu:,.0f} tokens/s per {unit}: {batch:,} tokens per step in {trainer.accum} micro-step(s), median "
+                f"{1000 * median:.1f} ms over the last stages' {len(last)} steps")
+        if self.device.type != "cuda":
+            return line + " (CPU: no target)"
+        name = torch.cuda.get_device_name(self.device)
+        pace_ms = 1000 * batch / trainer.world_size / RECORD_PACE_TOKENS_PER_GPU
+        line += (f" on {name}; the record's pace is {RECORD_PACE_TOKENS_PER_GPU:,} per GPU ({pace_ms:.0f} ms per "
+                 f"step here): {per_gpu / RECORD_PACE_TOKENS_PER_GPU:.0%}")
+        if per_gpu < RECORD_PACE_TOKENS_PER_GPU:
+            line += f", short by {RECORD_PACE_TOKENS_PER_GPU - per_gpu:,.0f} tokens/s ({1000 * median - pace_ms:.0f} ms per step)"
+        if "H200" in name:
+            line += ("; an H200 figure: its memory bandwidth (4.8 TB/s, an H100's 3.35) flatters the memory-bound "
+                     "kernels, so an H100 is slower")
+        return line
+
+    def check_memory(self):
+        loop = self.timed_loop()
+        require(loop.train_peak_bytes < H100_BYTES and loop.eval_peak_bytes < H100_BYTES,
+                f"peak allocated: training {loop.train_peak_bytes / 2**30:.1f} GiB, validation "
+                f"{loop.eval_peak_bytes / 2**30:.1f} GiB; an H100 has 80")
+        return (f"peak allocated in the timed loop: training {loop.train_peak_bytes / 2**30:.1f} GiB, validation "
+                f"{loop.eval_peak_bytes / 2**30:.1f} GiB (reserved {loop.reserved_bytes / 2**30:.1f} GiB); "
+                f"fits an 80 GB H100")
+
+    def check_host_syncs(self):
+        self.timed_loop()
+        trainer = self.trainer()
+        # CPU: the tiled attention reads its two windows on the host per micro-step (tests/test_step_syncs.py)
+        expected = 0 if self.device.type == "cuda" else 2 * trainer.accum
+        counts = [count_host_syncs(trainer, step) for step in (trainer.total_steps - 2, trainer.total_steps - 1)]
+        require(all(n == expected for n, _ in counts),
+                f"host syncs per train_step {[n for n, _ in counts]}, documented {expected}: {counts}")
+        return f"{expected} in each of two train_steps (with and without DistAdam; documented {expected}); {counts[0][1]}"
+
+    def eager_reference_graphs(self):
+        """The FP8 head's compiled forward helper once more: the eager reference runs without gradients, and
+        its inputs' requires_grad is part of the helper's guards (counted unless --fp8 off)."""
+        n = micro_batch_tokens(self.hp)
+        return [("fp8", f"the FP8 head's forward at {n:,} tokens without gradients")] if self.hp.fp8 != "off" else []
+
+    def check_compiled_vs_eager(self):
+        """The training forward (compiled on CUDA) against an eager one with the other attention
+        implementation: tiled SDPA on CUDA, eager FlexAttention on the CPU. After the timed loop: at
+        initialization the attention and MLP outputs are zero (zero output projections), so the
+        comparison would miss them."""
+        self.timed_loop()
+        trainer = self.trainer()
+        model, hp = trainer.model, self.hp
+        model.train()
+        batch = trainer.loader.next_batch(tg.tokens_per_rank(max(hp.batch_sizes), trainer.world_size, trainer.accum),
+                                          hp.max_seq_len)
+        windows = trainer.windows[tg.window_blocks_at(trainer.total_steps - 1, hp)]  # the rotary follows these now
+        tokens = batch[0].numel()
+        compiled = trainer.forward(*batch, windows).item() / tokens  # with gradients on: the training graph itself
+        attention = model.attention
+        model.attention = tg.TiledWindowAttention() if self.device.type == "cuda" else tg.FlexWindowAttention()
+        try:
+            start = time.perf_counter()
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+                eager = model(*batch, windows).item() / tokens
+            for _, what in self.eager_reference_graphs():
+                report_compile(self.device, what, time.perf_counter() - start)
+        finally:
+            model.attention = attention
+        require(abs(compiled - eager) < 5e-3, f"loss/token compiled {compiled:.5f}, eager {eager:.5f}")
+        what = "compiled, FlexAttention" if trainer.forward is not model else "eager (CPU), tiled attention"
+        other = "eager, tiled attention" if self.device.type == "cuda" else "eager FlexAttention"
+        return f"loss/token {what} {compiled:.5f}, {other} {eager:.5f} (|diff| {abs(compiled - eager):.1e})"
+
+
+# ---------------------------------------------------------------------------------------------- independent checks
+
+def versions(device):
+    line = (f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.version.cuda}, "
+            f"triton {tg.triton.__version__ if tg.HAS_TRITON else 'none'}")
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        line += (f"; {props.name}, capability {props.major}.{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
+                 f"FP8 {tg.fp8_supported(device)}")
+    return line
+
+
+def head_inputs(device, size):
+    tokens, dim, vocab = size.head
+    g = torch.Generator(device=device).manual_seed(1)
+    x = (torch.randn(tokens, dim, device=device, generator=g) * 1.5).bfloat16()
+    w = (torch.randn(vocab, dim, device=device, generator=g) * 0.005).bfloat16()
+    return x, w, torch.randint(0, vocab, (tokens,), device=device, generator=g)
+
+
+def head_step(x, w, targets, fp8):
+    """The head's forward and backward from fresh leaves: (loss, grad x, grad w)."""
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = tg.softcap_cross_entropy(x, w, targets, True, fp8)
+    loss.backward()
+    return loss, x.grad, w.grad
+
+
+def check_fp8_head(device, size):
+    """The FP8 head against the bf16 head at the record's micro-batch shape: loss and both gradients."""
+    x, w, targets = head_inputs(device, size)
+    (l16, gx16, gw16), (l8, gx8, gw8) = (head_step(x, w, targets, fp8) for fp8 in (False, True))
+    tokens, dim, vocab = size.head
+    l16, l8 = l16.item() / tokens, l8.item() / tokens
+    cx, cw = cosine(gx8.float(), gx16.float()), cosine(gw8.float(), gw16.float())
+    detail = (f"{tokens:,}x{dim} @ {vocab:,}: loss/token bf16 {l16:.5f} fp8 {l8:.5f}; gradient cosine x {cx:.4f} "
+              f"w {cw:.4f}")
+    require(cx > 0.99 and cw > 0.99 and abs(l8 - l16) < 1e-2, detail)
+    # mm_fp8_backward forms grad_w as (x.T @ g).T, the faster orientation for the (50304, 768) head
+    require(gw8.stride() == (1, vocab) or gw8.is_contiguous(), f"grad w strides {gw8.stride()}")
+    return detail
+
+
+def report_fp8_speed(device, size):
+    x, w, targets = head_inputs(device, size)
+    ms = {fp8: median_ms(lambda fp8=fp8: head_step(x, w, targets, fp8), device, size.timing_repeats)
+          for fp8 in (False, True)}
+    return f"head forward+backward at {size.head[0]:,} tokens: bf16 {ms[False]:.2f} ms, FP8 {ms[True]:.2f} ms " \
+           f"(FP8 / bf16 = {ms[True] / ms[False]:.2f})"
+
+
+def polar_input(device, size):
+    dim = size.hp().model_dim
+    g = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(size.polar_stack, 4 * dim, dim, device=device, generator=g)  # a stack of MLP matrices
+
+
+def check_polar_express_triton(device, size):
+    """Polar Express through the Triton kernels against the torch path and an fp32 reference."""
+    G = polar_input(device, size)
+    dtype, _ = KERNEL_PRECISION[device.type]
+    out_triton = tg.polar_express(G, use_triton=True, dtype=dtype)
+    out_torch = tg.polar_express(G, use_triton=False, dtype=dtype)
+    reference = tg.polar_express(G, use_triton=False, dtype=torch.float32)
+    errors = relative_error(out_triton, out_torch), relative_error(out_triton, reference), relative_error(out_torch, reference)
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    detail = (f"{tuple(G.shape)} {str(dtype).removeprefix('torch.')}: relative difference Triton-torch {errors[0]:.2e}, "
+              f"against fp32: Triton {errors[1]:.2e}, torch {errors[2]:.2e}")
+    require(out_triton.shape == G.shape and out_triton.dtype == dtype, f"{out_triton.shape} {out_triton.dtype}")
+    require(max(errors) < tolerance, detail)
+    return detail
+
+
+def polar_flops(batch, rows, cols, steps=len(tg.POLAR_EXPRESS_COEFFS)):
+    """Per step on the wide orientation (m <= n): X Xᵀ 2m²n (full count, though the kernel does half),
+    bA + cA² 2m³, aX + BX 2m²n."""
+    m, n = min(rows, cols), max(rows, cols)
+    return batch * steps * (2 * m * m * n + 2 * m ** 3 + 2 * m * m * n)
+
+
+def report_triton_speed(device, size):
+    """The ratio only: the half-FLOP Triton kernels against cuBLAS plus launch overhead can go either way."""
+    G = polar_input(device, size)
+    ms = {triton: median_ms(lambda triton=triton: tg.polar_express(G, use_triton=triton), device, size.timing_repeats)
+          for triton in (True, False)}
+    flops = polar_flops(*G.shape)
+    return (f"polar_express {tuple(G.shape)} bf16: Triton {ms[True]:.3f} ms ({flops / ms[True] / 1e9:.0f} TFLOP/s), "
+            f"torch {ms[False]:.3f} ms ({flops / ms[False] / 1e9:.0f} TFLOP/s); Triton / torch = {ms[True] / ms[False]:.2f}")
+
+
+def symmetric_kernel_errors(config, shape, device):
+    """Max |Triton - torch| / max |torch| of both symmetric-product kernels with one tile configuration
+    (fp32 torch references), and the device's tolerance."""
+    dtype, tolerance = KERNEL_PRECISION[device.type]
+    X = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).to(device)
+    A = tg.xxt_torch(X)
+    A = A / A.norm()
+    pairs = ((tg.xxt_triton(X.to(dtype), config=config), tg.xxt_torch(X)),
+             (tg.ba_plus_caa_triton(A.to(dtype), -2.8, 0.5, config=config), tg.ba_plus_caa_torch(A, -2.8, 0.5)))
+    return [((out.float() - ref).abs().max() / ref.abs().max()).item() for out, ref in pairs], tolerance
+
+
+def check_tile_configs(device, size):
+    """Every tile configuration the autotuner may pick computes both products (a wrong one would be
+    picked if it were the fastest)."""
+    worst = {}
+    for config in tg.SYM_CONFIGS:
+        errors, tolerance = symmetric_kernel_errors(config, size.tile_shape, device)
+        require(max(errors) <= tolerance, f"tile config {config}: errors (XXᵀ, bA+cA²) {errors}, tolerance {tolerance}")
+        worst[config] = max(errors)
+    return f"{len(worst)} configurations at {size.tile_shape}: worst error {max(worst.values()):.1e} (tolerance {tolerance})"
+
+
+def naive_attention(q, k, v, docs, window, scale):
+    """Inclusive window: q - kv <= window (FlashAttention's window_size=(window, 0))."""
+    pos = torch.arange(q.size(0), device=q.device)
+    delta = pos[:, None] - pos[None, :]
+    allowed = (docs[:, None] == docs[None, :]) & (delta >= 0) & (delta <= window)
+    scores = (torch.einsum("thd,shd->hts", q.float(), k.float()) * scale).masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v.float())
+
+
+def check_attention_vs_naive(device, size):
+    """The device's attention (a compiled FlexAttention kernel on CUDA: the block-sparse kernel; tiled SDPA
+    on the CPU) against a naive masked softmax, forward and backward, for packed documents (one of a single
+    token, one longer than the window) and a length not a multiple of 128."""
+    hp, T = size.hp(), size.attention_tokens
+    window = hp.window_blocks[-1] * hp.window_block_tokens
+    scale = 0.12
+    g = torch.Generator(device).manual_seed(T)
+    q, k, v = (torch.randn(T, hp.num_heads, hp.head_dim, device=device, generator=g) * s for s in (0.3, 0.3, 1.0))
+    cu = torch.tensor([0, 1, T // 10, T // 10 + 1, T // 4, T, T, T], dtype=torch.int32, device=device)
+    docs = tg.document_ids(cu, T)
+    require(T - T // 4 > window, f"the last document ({T - T // 4} tokens) must be longer than the window ({window})")
+    attention = tg.FlexWindowAttention(compile_kernel=True) if device.type == "cuda" else tg.TiledWindowAttention()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    start = time.perf_counter()
+    y = attention(*leaves, attention.mask(docs, window), torch.tensor(scale, dtype=torch.float64, device=device))
+    gy = torch.randn(y.shape, device=device, generator=g)
+    grads = torch.autograd.grad(y, leaves, gy.to(y.dtype))
+    synchronize(device)
+    report_compile(device, f"FlexAttention forward+backward at {T:,} tokens", time.perf_counter() - start)
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    ref = naive_attention(*ref_leaves, docs, window, scale)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, gy)
+    errors = [(a.float() - b).abs().max().item() for a, b in zip([y, *grads], [ref, *ref_grads])]
+    scales = [b.abs().max().item() for b in [ref, *ref_grads]]
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4  # bf16 in and out; a wrong tile list gives O(1) errors
+    detail = (f"T={T:,}, window {window}: max abs error / scale (y, dq, dk, dv) "
+              + ", ".join(f"{e:.1e}/{s:.1e}" for e, s in zip(errors, scales)))
+    require(all(e <= tolerance * max(s, 1e-3) for e, s in zip(errors, scales)), detail)
+    return detail
+
+
+def run_pytest(device):
+    """tests/test_gpu.py and tests/test_kernels.py in a subprocess (on CUDA: the CUDA cases)."""
+    marks = ["-m", "not slow"] if device.type == "cuda" else []
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *marks, "tests/test_gpu.py",
+                             "tests/test_kernels.py"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    last = (result.stdout.strip().splitlines() or ["no output"])[-1]
+    require(result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:])
+    return last
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+@dataclass
+class Check:
+    name: str
+    run: Callable[[], str]
+    work_s: tuple  # budget of its own work, (CUDA, CPU) seconds
+    graphs: list = field(default_factory=list)  # (kind, description) it compiles on CUDA
+    cuda_only: str = ""  # why it needs CUDA: the CPU reports SKIP
+    info: bool = False  # a measurement: INFO, never FAIL
+    then: Callable[[], None] = None  # runs after it, whatever its outcome
+
+    def budget_s(self, device):
+        if device.type != "cuda":
+            return 0 if self.cuda_only else self.work_s[1]
+        return self.work_s[0] + sum(COMPILE_BUDGET_S[kind] for kind, _ in self.graphs)
+
+
+class SmokePlan:
+    """The checks in their order: the record model first (its compile counts, speed and memory must not be
+    disturbed by anything before it), then the checks that need no trainer."""
+
+    def __init__(self, device, folder, with_pytest=False):
+        self.device, self.size = device, size_for(device)
+        self.record = record = RecordRun(device, self.size, folder)
+        d, s = device, self.size
+        self.checks = [
+            Check("versions", lambda: versions(d), (10, 1)),
+            Check("train_steps_move_every_parameter", record.check_parameters_move, (20, 8), record.training_graphs()),
+            Check("warm_up", record.check_warm_up, (12, 8), record.validation_graphs()),
+            Check("compiles_in_timed_loop", record.check_no_compiles_in_timed_loop, (15, 6)),
+            Check("throughput", record.report_throughput, (1, 1), info=True),
+            Check("memory", record.check_memory, (1, 1), cuda_only="CUDA memory statistics"),
+            Check("host_syncs_per_step", record.check_host_syncs, (5, 3)),
+            Check("compiled_vs_eager", record.check_compiled_vs_eager, (5, 4), record.eager_reference_graphs(),
+                  then=record.close),
+            Check("fp8_head", lambda: check_fp8_head(d, s), (5, 2)),
+            Check("fp8_speed", lambda: report_fp8_speed(d, s), (5, 1), info=True,
+                  cuda_only="FP8 hardware speed: no FP8 tensor cores on a CPU"),
+            Check("polar_express_triton", lambda: check_polar_express_triton(d, s), (5, 3)),
+            Check("triton_speed", lambda: report_triton_speed(d, s), (5, 1), info=True,
+                  cuda_only="compiled Triton kernels: the CPU runs them in the interpreter"),
+            Check("triton_tile_configs", lambda: check_tile_configs(d, s), (20, 5)),
+            Check("attention_vs_naive", lambda: check_attention_vs_naive(d, s), (10, 3),
+                  [("flex", f"FlexAttention forward+backward at {s.attention_tokens:,} tokens")]),
+        ]
+        if with_pytest:  # heavy: its own process runs these checks again, and tests/test_kernels.py
+            self.checks.append(Check("gpu_tests", lambda: run_pytest(d), (60 + sum(c.work_s[0] for c in self.checks), 120),
+                                     self.graphs()))
+
+    def check(self, name):
+        return next(c for c in self.checks if c.name == name)
+
+    def graphs(self):
+        return [g for c in self.checks for g in c.graphs]
+
+    def budget_s(self):
+        return sum(c.budget_s(self.device) for c in self.checks)
+
+    def plan_line(self):
+        on_cuda = self if self.device.type == "cuda" else SmokePlan(torch.device("cuda"), None,
+                                                                     with_pytest=any(c.name == "gpu_tests" for c in self.checks))
+        line = f"plan: {len(self.checks)} checks, {len(on_cuda.graphs())} graphs to compile on CUDA, budget {self.budget_s():.0f} s"
+        return line if on_cuda is self else f"{line} (CPU dry run; on CUDA: {on_cuda.budget_s():.0f} s)"
+
+    def run(self, check):
+        """(status, detail, seconds) of one check: PASS/FAIL, INFO for a measurement, SKIP for a CUDA-only
+        check on the CPU; an error is a FAIL with its first line."""
+        if check.cuda_only and self.device.type != "cuda":
+            return "SKIP", f"needs CUDA: {check.cuda_only}", 0.0
+        start = time.perf_counter()
+        try:
+            detail, status = check.run(), "INFO" if check.info else "PASS"
+        except Exception as e:  # noqa: BLE001 - a smoke test reports every failure and goes on
+            first = str(e).splitlines()[0] if str(e) else ""
+            detail, status = (first if isinstance(e, CheckFailed) else f"{type(e).__name__}: {first}"), "FAIL"
+        finally:
+            if check.then is not None:
+                check.then()
+        return status, detail, time.perf_counter() - start
+
+    def close(self):
+        self.record.close()
+
+
+def check_names():
+    return [c.name for c in SmokePlan(torch.device("cpu"), None).checks]
+
