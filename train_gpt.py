@@ -31,6 +31,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -56,8 +57,15 @@ def hp_field(default, help):
     return field(default=default, metadata={"help": help})
 
 
+def layers_field(default, help):
+    """A list of layer indices of any length (negative ones count from the last layer); empty: none."""
+    return field(default=default, metadata={"help": help, "layers": True})
+
+
 @dataclass
 class Hyperparameters:
+    recipe: str = hp_field("89", "model/optimizer family: 89 (modded-nanogpt record #89, the default) or retie "
+                                 "(the 2025-12-19 RetieLMHead record); --recipe also sets that recipe's values")
     # data
     train_files: str = hp_field("data/fineweb10B/fineweb_train_*.bin", "glob of training shards (prefixed by $DATA_PATH)")
     val_files: str = hp_field("data/fineweb10B/fineweb_val_*.bin", "glob of validation shards (prefixed by $DATA_PATH)")
@@ -71,15 +79,53 @@ class Hyperparameters:
     num_heads: int = hp_field(6, "attention heads")
     head_dim: int = hp_field(128, "dimension per head")
     model_dim: int = hp_field(768, "residual stream width")
+    # recipe 89's ideas, each switched off by the value after "off:" (--recipe retie has none of them)
+    bigram_vocab_size: int = hp_field(754_560, "rows of the hashed bigram embedding (50304 x 15; off: 0)")
+    bigram_dim: int = hp_field(192, "width of the bigram embedding, added to the first channels of the stream")
+    bigram_sign_rows: int = hp_field(8192, "rows of the random sign table a bigram's row is multiplied by (off: 0)")
+    value_embed_layers: tuple = layers_field((1, 2, 8, 9, 10), "layers whose values get a value embedding (off: none)")
+    value_embed_tables: tuple = layers_field((0, 1, 2, 3, 4), "the table each of --value_embed_layers reads "
+                                                              "(tables may be shared)")
+    value_embed_std: float = hp_field(0.01, "init std of the value embeddings (off: 0, zero init)")
+    value_embed_gates: bool = hp_field(True, "per-head gates 2 sigmoid(w . [x, ve][:12]) on the value embeddings")
+    paired_head_layers: tuple = layers_field((0, 2, 5, 9), "layers where two heads share one interleaved stream "
+                                                           "(off: none)")
+    xsa_layers: tuple = layers_field((1, 3, 4, 7, 8, 10), "layers that subtract a gated share of y along v (off: none)")
+    skip_gate: bool = hp_field(True, "the U-net skip's gate reads x0 (off: a learned constant sigmoid(lambda))")
+    shared_attention_input: bool = hp_field(True, "layers after the backout layer attend over its output (off: "
+                                                  "over their own input)")
+    mudd_dim: int = hp_field(64, "hidden width of the MUDD coefficient networks of the last layer and the output "
+                                 "(off: 0, a backout lambda instead)")
+    sublayer_scalars: bool = hp_field(True, "residual and output lambdas per sublayer, x0 added after attention (off: "
+                                            "one residual and x0 lambda per layer before it)")
+    zero_init_attn_out: bool = hp_field(False, "attention output weights start at zero (the retie recipe's init)")
+    fp8_mlp: bool = hp_field(True, "MLP matmuls in FP8 with delayed scales where --fp8 puts the head in FP8")
+    untie_stage: int = hp_field(2, "stage at whose first odd step the embedding leaves the head (off: -1, tied)")
+    softcap_scale: float = hp_field(23.0, "logits -> scale * sigmoid((logits + offset) / 7.5)")
+    softcap_offset: float = hp_field(5.0, "the softcap's offset (the retie recipe: 30 and 0)")
+    mtp_weights_start: tuple = hp_field((1.0, 0.5, 0.25, 1.0, 0.5, 0.0, 1.0, 0.0, 0.0),
+                                        "loss weights of the next 3 tokens at each stage's start, stage after stage "
+                                        "(off: 1 0 0 1 0 0 1 0 0)")
+    mtp_weights_end: tuple = hp_field((1.0, 0.5, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0),
+                                      "the same at each stage's end (linear in between; the extension keeps stage "
+                                      "3's end)")
+    head_fp8_amax: tuple = hp_field((100.0, 1.6, 0.75), "largest values the FP8 head casts: activations, weights, "
+                                                        "gradients")
+    gates_in_adam: bool = hp_field(True, "the gate weights train with DistAdam (off: with the matrix optimizer)")
     # batches and schedules
-    num_scheduled_iterations: int = hp_field(1995, "steps of the scheduled run (thirds set batch size, lr, window)")
-    num_extension_iterations: int = hp_field(40, "extra steps at the final batch size, window and lr 0.1x")
+    num_scheduled_iterations: int = hp_field(1380, "steps of the scheduled run (thirds set batch size, lr, window)")
+    num_extension_iterations: int = hp_field(10, "extra steps at the final batch size, window and lr")
     batch_sizes: tuple = hp_field((131072, 262144, 393216), "tokens per optimizer step in each third of the run")
     max_seq_len: int = hp_field(2048, "longest document piece in a training batch")
+    first_stage_max_seq_len: int = hp_field(896, "longest document piece in the first third (off: 0, --max_seq_len)")
     grad_accum_base: int = hp_field(8, "world size with one micro-step per step; fewer ranks accumulate base/world")
-    lr_multipliers: tuple = hp_field((1.0, 1.51, 1.93), "lr multiplier in each third (batch-size ratio ^ 0.6)")
-    cooldown_frac: float = hp_field(0.55, "fraction of scheduled steps over which lr cools down linearly")
-    final_lr_multiplier: float = hp_field(0.1, "lr multiplier at the end of cooldown and during extension")
+    lr_multipliers: tuple = hp_field((1.0, 1.52, 1.73), "lr multiplier in each third")
+    schedule_rule: str = hp_field("boundaries", "boundaries: thirds end at round(n k / 3), the lr multiplier "
+                                                "switches with them and cools down from int(n (1 - frac)); progress "
+                                                "(retie): third int(3 step / n), the multiplier one step later, the "
+                                                "cooldown weight from step / n")
+    cooldown_frac: float = hp_field(0.6, "fraction of scheduled steps over which lr cools down linearly")
+    final_lr_multiplier: float = hp_field(0.15, "lr multiplier at the end of cooldown and during extension")
     window_block_tokens: int = hp_field(128, "tokens per attention-window block")
     window_blocks: tuple = hp_field((3, 7, 11), "long attention window (blocks) in each third; short = long // 2")
     extension_window_blocks: int = hp_field(13, "long window during the extension steps")
@@ -90,11 +136,18 @@ class Hyperparameters:
     muon_momentum: tuple = hp_field((0.85, 0.95), "NorMuon momentum: start/end value of the warm-up")
     muon_momentum_warmup_steps: int = hp_field(300, "steps of the momentum warm-up")
     muon_momentum_cooldown_steps: int = hp_field(50, "final steps over which momentum returns to its start value")
-    muon_beta2: float = hp_field(0.95, "NorMuon second-moment decay")
+    muon_beta2: float = hp_field(0.9, "NorMuon second-moment decay")
+    muon_qk_head_pairs: bool = hp_field(True, "NorMuon orthogonalizes Q and K per head pair (off: Q and K whole)")
+    muon_lr_rule: str = hp_field("piece", "NorMuon step size sqrt(max(1, rows/cols)) of each orthogonalized piece, "
+                                          "or of the stored parameter (param: the retie recipe)")
     adam_lr: float = hp_field(0.008, "DistAdam learning rate")
-    adam_betas: tuple = hp_field((0.65, 0.95), "DistAdam betas")
-    adam_eps: float = hp_field(1e-8, "DistAdam epsilon")
+    adam_betas: tuple = hp_field((0.65, 0.95), "DistAdam betas (of every parameter without --adam_group_betas)")
+    adam_group_betas: bool = hp_field(True, "each kind of parameter has its own DistAdam betas (the recipe's table)")
+    adam_eps: float = hp_field(1e-10, "DistAdam epsilon")
     adam_wd: float = hp_field(0.005, "DistAdam cautious weight decay")
+    adam_state_dtype: str = hp_field("fp32", "dtype of DistAdam's moments: fp32, bf16")
+    adam_cautious_mask: str = hp_field("strict", "DistAdam decays where update x weight > 0 (strict) or >= 0 "
+                                                 "(inclusive: also where the update is zero)")
     # the optimizer of the hidden matrices and gates (track 3: the optimizer race); DistAdam keeps the rest
     matrix_optimizer: str = hp_field("normuon", "optimizer of the hidden matrices and gates: normuon, shampoo, soap, adamw")
     shampoo_lr: float = hp_field(0.0015, "Shampoo learning rate")
@@ -123,7 +176,7 @@ class Hyperparameters:
     warmup_steps: int = hp_field(3, "untimed compile warm-up steps per stage, undone afterwards (0: none)")
     device: str = hp_field("auto", "auto (CUDA when present, else CPU), cuda or cpu")
     compile: bool = hp_field(True, "torch.compile the model (CUDA only; CPU always runs eager)")
-    fp8: str = hp_field("auto", "FP8 head matmul in training: auto (CUDA, capability >= 8.9), on, off")
+    fp8: str = hp_field("auto", "FP8 head (and --fp8_mlp) matmuls in training: auto (CUDA, capability >= 8.9), on, off")
     run_id: str = hp_field("", "name of the log file logs/<run_id>.txt (default: a new uuid)")
     log_dir: str = hp_field("logs", "folder for logs, profiler traces and checkpoints")
     save_every: int = hp_field(0, "write a resumable checkpoint every N steps (even N; 0: never)")
@@ -134,32 +187,36 @@ class Hyperparameters:
     cpu_threads: int = hp_field(0, "torch threads per process on CPU (0: cores / local processes)")
 
 
+# --recipe NAME sets these before the preset's values; every idea of recipe 89 is off in retie.
+RECIPES = {
+    "89": {},
+    "retie": dict(
+        bigram_vocab_size=0, bigram_sign_rows=0, value_embed_layers=(0, 1, -3, -2, -1), value_embed_tables=(1, 2, 0, 1, 2),
+        value_embed_std=0.0, value_embed_gates=False, paired_head_layers=(), xsa_layers=(), skip_gate=False,
+        shared_attention_input=False, mudd_dim=0, sublayer_scalars=False, zero_init_attn_out=True, fp8_mlp=False,
+        untie_stage=-1, softcap_scale=30.0, softcap_offset=0.0, mtp_weights_start=(1.0, 0.0, 0.0) * 3,
+        mtp_weights_end=(1.0, 0.0, 0.0) * 3, head_fp8_amax=(100.0, 1.5, 0.75), gates_in_adam=False,
+        num_scheduled_iterations=1995, num_extension_iterations=40, first_stage_max_seq_len=0,
+        lr_multipliers=(1.0, 1.51, 1.93), schedule_rule="progress", cooldown_frac=0.55, final_lr_multiplier=0.1,
+        muon_beta2=0.95, muon_qk_head_pairs=False, muon_lr_rule="param", adam_group_betas=False, adam_eps=1e-8,
+        adam_state_dtype="bf16", adam_cautious_mask="inclusive"),
+}
+
+# --preset NAME: {recipe: values}, applied after the recipe's values
+CPU_COMMON = dict(  # 2 CPU cores; tuned on the novels corpus (records/track_cpu)
+    device="cpu",  # also where CUDA exists (add --device cuda to run it on a GPU)
+    synthetic_fallback=True, val_tokens=65_536, val_batch_size=8_192, num_layers=9, num_heads=2, head_dim=64,
+    model_dim=128, num_scheduled_iterations=108, num_extension_iterations=4, batch_sizes=(2048, 3072, 4096),
+    max_seq_len=1024, grad_accum_base=1, window_blocks=(2, 4, 6), extension_window_blocks=7, final_val_window_blocks=8,
+    muon_momentum_warmup_steps=20, muon_momentum_cooldown_steps=5, adam_lr=0.02, val_loss_every=36, warmup_steps=0)
 PRESETS = {
-    "record": {},
-    "cpu": dict(  # 2 CPU cores, ~190 s of training (the track's budget is 500 s); tuned on the novels corpus (records/track_cpu)
-        device="cpu",  # also where CUDA exists (add --device cuda to run it on a GPU)
-        synthetic_fallback=True,
-        val_tokens=65_536,
-        val_batch_size=8_192,
-        num_layers=9,
-        num_heads=2,
-        head_dim=64,
-        model_dim=128,
-        num_scheduled_iterations=108,
-        num_extension_iterations=4,
-        batch_sizes=(2048, 3072, 4096),
-        max_seq_len=1024,
-        grad_accum_base=1,
-        lr_multipliers=(1.0, 1.28, 1.52),
-        window_blocks=(2, 4, 6),
-        extension_window_blocks=7,
-        final_val_window_blocks=8,
-        muon_momentum_warmup_steps=20,
-        muon_momentum_cooldown_steps=5,
-        adam_lr=0.02,
-        val_loss_every=36,
-        warmup_steps=0,
-    ),
+    "record": {"89": {}, "retie": {}},
+    "cpu": {
+        # the layer lists count from the end after the attention-free layer, so other depths keep the layout
+        "89": dict(CPU_COMMON, bigram_dim=32, paired_head_layers=(0, 4, -2), xsa_layers=(1, 2, 3, -3, -1),
+                   value_embed_layers=(1, 2, -3, -2, -1), first_stage_max_seq_len=448, lr_multipliers=(1.0, 1.28, 1.41)),
+        "retie": dict(CPU_COMMON, lr_multipliers=(1.0, 1.28, 1.52)),  # ~190 s of training (the track's budget: 500 s)
+    },
 }
 
 
@@ -179,7 +236,8 @@ def parse_bool(text):
 def build_arg_parser():
     parser = argparse.ArgumentParser(
         prog="train_gpt.py", allow_abbrev=False,  # --num_layer must not silently mean --num_layers
-        description="Train the speedrun GPT. Every field of Hyperparameters is a flag; --preset is applied first.",
+        description="Train the speedrun GPT. Every field of Hyperparameters is a flag; the --recipe's values are "
+                    "applied first, then the --preset's, then the flags.",
     )
     # one-line errors instead of the ~25-line usage that buries the message
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
@@ -192,6 +250,8 @@ def build_arg_parser():
         kwargs = dict(default=None, help=f"{f.metadata['help']} (default: {default})")
         if isinstance(default, bool):
             kwargs.update(type=parse_bool, metavar="BOOL", nargs="?", const=True)  # a bare --force means true
+        elif f.metadata.get("layers"):
+            kwargs.update(type=int, nargs="*", metavar="LAYER")  # no value: none
         elif isinstance(default, tuple):
             kwargs.update(type=type(default[0]), nargs=len(default), metavar=type(default[0]).__name__.upper())
         else:
@@ -201,10 +261,14 @@ def build_arg_parser():
 
 
 def parse_args(argv=None):
-    """Preset first, then explicit flags. Returns a validated-shape Hyperparameters."""
+    """The recipe's values, then the preset's, then explicit flags. Returns a validated Hyperparameters."""
     args = build_arg_parser().parse_args(argv)
     values = dataclasses.asdict(Hyperparameters())
-    values.update(PRESETS[args.preset])
+    recipe = args.recipe or values["recipe"]
+    if recipe not in RECIPES:
+        raise ConfigError(f"--recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
+    values.update(RECIPES[recipe])
+    values.update(PRESETS[args.preset][recipe])
     for name, value in vars(args).items():
         if name != "preset" and value is not None:
             values[name] = tuple(value) if isinstance(value, list) else value
@@ -213,16 +277,26 @@ def parse_args(argv=None):
     return hp
 
 
+MTP_HORIZON = 3  # the multi-token-prediction loss weighs the next 1, 2 and 3 tokens
+# the fields of recipe 89's model that RetieGPT does not have
+RECIPE_89_MODEL_IDEAS = ("bigram_vocab_size", "bigram_sign_rows", "value_embed_gates", "paired_head_layers", "xsa_layers",
+                         "skip_gate", "shared_attention_input", "mudd_dim", "sublayer_scalars", "fp8_mlp", "untie_stage",
+                         "muon_qk_head_pairs")
+
 # (flags, test, what the test means): applied to every value of a tuple flag
 VALUE_RULES = [
     (("val_tokens", "val_batch_size", "vocab_size", "num_layers", "num_heads", "head_dim", "model_dim",
       "num_scheduled_iterations", "batch_sizes", "max_seq_len", "grad_accum_base", "window_block_tokens",
-      "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "shampoo_lr", "shampoo_graft_eps",
+      "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "shampoo_lr", "shampoo_graft_eps", "bigram_dim",
+      "softcap_scale", "head_fp8_amax",
       "shampoo_precondition_frequency", "factor_max_dim", "soap_lr", "soap_eps", "soap_precondition_frequency",
       "adamw_lr", "adamw_eps"), lambda v: v > 0, "must be positive"),
     (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads",
       "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd", "adam_wd", "lr_multipliers",
-      "final_lr_multiplier", "shampoo_wd", "shampoo_eps", "soap_wd", "adamw_wd"), lambda v: v >= 0, "must be >= 0"),
+      "final_lr_multiplier", "shampoo_wd", "shampoo_eps", "soap_wd", "adamw_wd", "bigram_vocab_size", "bigram_sign_rows",
+      "value_embed_std", "mudd_dim", "first_stage_max_seq_len", "mtp_weights_start", "mtp_weights_end",
+      "value_embed_tables"), lambda v: v >= 0, "must be >= 0"),
+    (("untie_stage",), lambda v: -1 <= v <= 3, "must be a stage (0-2, 3: the extension) or -1 (never)"),
     (("window_blocks", "extension_window_blocks"), lambda v: v >= 2, "must be at least 2 (short window = long // 2 blocks)"),
     (("muon_momentum", "muon_beta2", "adam_betas", "shampoo_betas", "shampoo_graft_beta2", "soap_betas", "adamw_betas"),
      lambda v: 0 <= v < 1, "must be in [0, 1)"),
@@ -242,9 +316,12 @@ def check_hyperparameters(hp):
             value = getattr(hp, name)
             if not all(ok(v) for v in (value if isinstance(value, tuple) else [value])):
                 raise ConfigError(f"--{name} {meaning}, got {_flag_text(value)}")
-    for name in ["batch_sizes", "lr_multipliers", "window_blocks"]:
-        if len(getattr(hp, name)) != 3:
-            raise ConfigError(f"--{name} needs exactly 3 values (one per third of the run), got {getattr(hp, name)}")
+    for name, count, meaning in (("batch_sizes", 3, "one per third of the run"), ("lr_multipliers", 3, "one per third"),
+                                 ("window_blocks", 3, "one per third"), ("head_fp8_amax", 3, "activations, weights, "
+                                 "gradients"), ("mtp_weights_start", 3 * MTP_HORIZON, "3 tokens x 3 stages"),
+                                 ("mtp_weights_end", 3 * MTP_HORIZON, "3 tokens x 3 stages")):
+        if len(getattr(hp, name)) != count:
+            raise ConfigError(f"--{name} needs exactly {count} values ({meaning}), got {_flag_text(getattr(hp, name))}")
     if hp.val_tokens % hp.val_batch_size:
         raise ConfigError(f"--val_tokens {hp.val_tokens} must be a multiple of --val_batch_size {hp.val_batch_size}")
     if hp.vocab_size <= BOS_ID:
@@ -261,10 +338,19 @@ def check_hyperparameters(hp):
     if longest_window > hp.max_seq_len:
         raise ConfigError(f"the longest training window ({longest_window} tokens = --window_blocks/--extension_window_blocks "
                           f"x --window_block_tokens) exceeds --max_seq_len {hp.max_seq_len}; shrink the window")
+    if hp.first_stage_max_seq_len and hp.window_blocks[0] * hp.window_block_tokens > hp.first_stage_max_seq_len:
+        raise ConfigError(f"the first third's window ({hp.window_blocks[0] * hp.window_block_tokens} tokens) exceeds "
+                          f"--first_stage_max_seq_len {hp.first_stage_max_seq_len}; shrink the window")
+    if hp.bigram_vocab_size == 1 or (hp.bigram_vocab_size and hp.bigram_dim > hp.model_dim):
+        raise ConfigError(f"--bigram_vocab_size must be 0 (off) or at least 2 and --bigram_dim at most --model_dim, got "
+                          f"{hp.bigram_vocab_size} and {hp.bigram_dim}")
     if hp.save_every % 2:
         raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
     for name, choices in (("device", ("auto", "cuda", "cpu")), ("matrix_optimizer", MATRIX_OPTIMIZERS),
-                          ("factor_dtype", ("fp32", "bf16")), ("factor_block_cost", ("bytes", "poly"))):
+                          ("factor_dtype", ("fp32", "bf16")), ("factor_block_cost", ("bytes", "poly")),
+                          ("recipe", tuple(RECIPES)), ("schedule_rule", ("boundaries", "progress")),
+                          ("muon_lr_rule", ("piece", "param")), ("adam_state_dtype", ("fp32", "bf16")),
+                          ("adam_cautious_mask", ("strict", "inclusive"))):
         if getattr(hp, name) not in choices:
             raise ConfigError(f"--{name} must be one of {', '.join(choices)}, got {getattr(hp, name)!r}")
     if hp.fp8 not in ("auto", "on", "off"):
@@ -273,7 +359,12 @@ def check_hyperparameters(hp):
         raise ConfigError(f"--profile must look like START:END with 0 <= START < END, got {hp.profile!r}")
     if hp.run_id and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", hp.run_id):
         raise ConfigError(f"--run_id may hold letters, digits, '.', '_' and '-', not first (it names a file), got {hp.run_id!r}")
-    layer_roles(hp.num_layers)  # raises ConfigError for depths without a valid layout
+    layer_roles_of(hp)  # raises ConfigError for depths and layer lists without a valid layout
+    if hp.recipe == "retie":
+        changed = [name for name in RECIPE_89_MODEL_IDEAS if getattr(hp, name) != RECIPES["retie"][name]]
+        if changed:
+            raise ConfigError(f"--{changed[0]} is an idea of recipe 89; the retie recipe's model has none of them "
+                              f"(leave it at {_flag_text(RECIPES['retie'][changed[0]])}, or use --recipe 89)")
 
 
 def _flag_text(value):
@@ -468,20 +559,41 @@ def padded_cu_seqlens(lengths, total):
     return cu
 
 
-def to_device(inputs, targets, cu_seqlens, device):
-    """int32 inputs, int64 targets, int32 cu_seqlens; pinned + non_blocking on CUDA."""
+def bigram_hash(inputs, rows):
+    """Record #89's hashed bigram ids of a packed sequence, in its int32 arithmetic (products wrap): row
+    rows - 1 is reserved for position 0; position 1 pairs its token with that reserved id (the reference
+    overwrites position 0 before reading it), position t >= 2 with token t - 1, across documents too."""
+    mod = rows - 1
+    x = inputs.astype(np.int32)
+    previous = np.concatenate([[mod], x[1:-1]]).astype(np.int32)
+    with np.errstate(over="ignore"):
+        hashed = np.bitwise_xor(np.int32(36313) * x[1:], np.int32(27191) * previous) % np.int32(mod)
+    return np.concatenate([[mod], hashed]).astype(np.int32)
+
+
+class Batch(NamedTuple):
+    inputs: Tensor  # int32
+    targets: Tensor  # int64
+    cu_seqlens: Tensor  # int32, padded to a static length
+    bigram_ids: Tensor | None  # int32 hashed bigrams (recipe 89's bigram embedding), or None
+
+
+def to_device(inputs, targets, cu_seqlens, device, bigram_rows=0):
+    """A Batch on `device` (pinned + non_blocking on CUDA); the bigram ids are hashed here, on the host."""
     tensors = [torch.from_numpy(inputs.astype(np.int32)), torch.from_numpy(targets.astype(np.int64)),
-               torch.from_numpy(cu_seqlens)]
+               torch.from_numpy(cu_seqlens)] + ([torch.from_numpy(bigram_hash(inputs, bigram_rows))] if bigram_rows else [])
     if device.type == "cuda":
-        return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
-    return [t.to(device) for t in tensors]
+        tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+    else:
+        tensors = [t.to(device) for t in tensors]
+    return Batch(*tensors[:3], tensors[3] if bigram_rows else None)
 
 
 class TrainLoader:
     """BOS-aligned batches for one rank. The walk over documents is the same on every rank (each
     computes the global plan and keeps its own part), so ranks never need to talk about data."""
 
-    def __init__(self, pattern, rank, world_size, device, cycle=False, vocab_size=None, pool=None):
+    def __init__(self, pattern, rank, world_size, device, cycle=False, vocab_size=None, pool=None, bigram_rows=0):
         self.files = sorted(glob.glob(pattern))
         if not self.files:
             raise DataError(f"no training shards match {pattern!r}; download them with "
@@ -494,6 +606,7 @@ class TrainLoader:
                 raise DataError(f"{path}: the shard holds no tokens (a header only); remove it or re-tokenize")
         self.rank, self.world_size, self.device, self.cycle = rank, world_size, device, cycle
         self.vocab_size = vocab_size  # token ids are checked against it as each shard is read
+        self.bigram_rows = bigram_rows  # rows of the model's bigram embedding (0: none)
         # one background thread reads the next shard, one indexes BOS positions
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="loader")
         self.reset()
@@ -545,7 +658,7 @@ class TrainLoader:
         self._prefetch = self._pool.submit(self._load, self._following_shard())
 
     def next_batch(self, rank_tokens, max_seq_len):
-        """(inputs, targets, cu_seqlens) of rank_tokens tokens each for this rank."""
+        """The Batch of rank_tokens tokens for this rank."""
         for _ in range(2 * len(self.files) + 1):
             plan = None
             if not self.bos.complete:
@@ -563,7 +676,7 @@ class TrainLoader:
         pieces, self.cursor = plan
         starts, lengths = pieces[self.rank]
         buf = gather_pieces(self.tokens, starts, lengths)
-        return to_device(buf[:-1], buf[1:], padded_cu_seqlens(lengths, rank_tokens), self.device)
+        return to_device(buf[:-1], buf[1:], padded_cu_seqlens(lengths, rank_tokens), self.device, self.bigram_rows)
 
 
 def read_validation_tokens(pattern, count, vocab_size=None):
@@ -584,7 +697,7 @@ def read_validation_tokens(pattern, count, vocab_size=None):
     return np.concatenate(parts)
 
 
-def validation_batches(tokens, val_tokens, val_batch_size, rank, world_size, accum, device):
+def validation_batches(tokens, val_tokens, val_batch_size, rank, world_size, accum, device, bigram_rows=0):
     """The first val_tokens of `tokens` (read_validation_tokens), in val_batch_size steps; rank r takes
     its contiguous slice of each step (split into `accum` forward passes). Not BOS-aligned; documents
     still never mix in attention."""
@@ -595,7 +708,7 @@ def validation_batches(tokens, val_tokens, val_batch_size, rank, world_size, acc
         inputs = buf[:-1]
         starts = np.flatnonzero(inputs == BOS_ID)
         lengths = np.diff(np.concatenate([[0], starts[starts > 0], [chunk]]))
-        yield to_device(inputs, buf[1:], padded_cu_seqlens(lengths, chunk), device)
+        yield to_device(inputs, buf[1:], padded_cu_seqlens(lengths, chunk), device, bigram_rows)
 
 
 def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512, topics=8):
@@ -643,9 +756,15 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
-def tag(p, label, lr_mul=1.0, wd_mul=1.0):
-    """Attach what the optimizers need to know about a parameter."""
-    p.label, p.lr_mul, p.wd_mul = label, lr_mul, wd_mul
+MATRIX_LABELS = ("attn", "attn_qk", "attn_vo", "mlp", "gate")
+
+
+def tag(p, label, lr_mul=1.0, wd_mul=1.0, pieces=1, betas=None, optimizer=None):
+    """Attach what the optimizers need to know about a parameter: its kind, its lr and decay
+    multipliers, into how many row blocks the matrix optimizer cuts it, its own DistAdam betas (None:
+    DistAdam's), and which optimizer trains it (default: the matrix optimizer for matrices and gates)."""
+    p.label, p.lr_mul, p.wd_mul, p.pieces, p.betas = label, lr_mul, wd_mul, pieces, betas
+    p.optimizer = optimizer or ("matrix" if label in MATRIX_LABELS else "adam")
     return p
 
 
@@ -653,22 +772,49 @@ def tag(p, label, lr_mul=1.0, wd_mul=1.0):
 class LayerRoles:
     attn_free: int  # layer without attention; also where the U-net skip lands
     skip_source: int  # its output is added back before attn_free
-    backout: int  # its output is partly subtracted before the final norm
+    backout: int  # its output is partly subtracted before the final norm (recipe 89: MUDD's source)
     long_window: tuple  # layers with the long window (and the key shift)
     value_embed: dict  # layer -> value-embedding table
+    paired: tuple = ()  # layers with paired-head attention
+    xsa: tuple = ()  # layers with XSA
 
 
-def layer_roles(num_layers):
-    """The 11-layer layout (skip 3->6, no attention in 6, backout 7, long windows 3 and 10,
-    value embeddings `. 1 2 ... 0 1 2`) expressed relative to the depth."""
+# the retie recipe's value embeddings: `. 1 2 ... 0 1 2` (negative layers count from the end)
+RETIE_VALUE_EMBEDS = ((0, 1, -3, -2, -1), (1, 2, 0, 1, 2))
+
+
+def layer_roles(num_layers, value_embeds=RETIE_VALUE_EMBEDS, paired=(), xsa=()):
+    """The 11-layer layout (skip 3->6, no attention in 6, backout 7, long windows 3 and 10) expressed
+    relative to the depth, with the value-embedding, paired-head and XSA layers given (negative ones
+    count from the end)."""
     attn_free = num_layers // 2 + 1
     skip_source = attn_free - 3
     backout = attn_free + 1
-    value_embed = {0: 1, 1: 2, num_layers - 3: 0, num_layers - 2: 1, num_layers - 1: 2}
-    if skip_source < 0 or backout > num_layers - 1 or len(value_embed) != 5 or attn_free in value_embed:
-        raise ConfigError(f"--num_layers {num_layers}: the layer roles (skip, backout, value embeddings, attention-free "
-                          f"layer) need at least 9 layers")
-    return LayerRoles(attn_free, skip_source, backout, (skip_source, num_layers - 1), value_embed)
+    if skip_source < 0 or backout > num_layers - 1:
+        raise ConfigError(f"--num_layers {num_layers}: the layer roles (skip, backout, attention-free layer) need at "
+                          f"least 9 layers")
+    lists = {}
+    for flag, layers in (("value_embed_layers", value_embeds[0]), ("paired_head_layers", paired), ("xsa_layers", xsa)):
+        resolved = [layer % num_layers if -num_layers <= layer < num_layers else None for layer in layers]
+        if None in resolved or len(set(resolved)) != len(resolved) or attn_free in resolved:
+            raise ConfigError(f"--{flag} {_flag_text(tuple(layers))}: each must be a distinct layer of --num_layers "
+                              f"{num_layers} other than the attention-free layer {attn_free} (negative: from the end)")
+        lists[flag] = tuple(resolved)
+    if len(value_embeds[1]) != len(value_embeds[0]):
+        raise ConfigError(f"--value_embed_tables needs one table per --value_embed_layers entry, got "
+                          f"{len(value_embeds[1])} for {len(value_embeds[0])}")
+    if set(lists["paired_head_layers"]) & set(lists["xsa_layers"]):
+        raise ConfigError("--paired_head_layers and --xsa_layers overlap: XSA needs a layer's own values")
+    return LayerRoles(attn_free, skip_source, backout, (skip_source, num_layers - 1),
+                      dict(zip(lists["value_embed_layers"], value_embeds[1])), lists["paired_head_layers"],
+                      lists["xsa_layers"])
+
+
+def layer_roles_of(hp):
+    if hp.paired_head_layers and hp.num_heads % 2:
+        raise ConfigError(f"--paired_head_layers needs an even --num_heads (heads attend in pairs), got {hp.num_heads}")
+    return layer_roles(hp.num_layers, (hp.value_embed_layers, hp.value_embed_tables), hp.paired_head_layers,
+                       hp.xsa_layers)
 
 
 class Rotary(nn.Module):
@@ -801,7 +947,7 @@ class Attention(nn.Module):
         # O is applied as F.linear(y, W_o) (rows are output channels), which needs hdim == dim.
         qkvo = torch.empty(4 * hdim, dim).uniform_(-bound, bound)
         qkvo[3 * hdim:].zero_()
-        self.qkvo_w = tag(nn.Parameter(qkvo), "attn")
+        self.qkvo_w = tag(nn.Parameter(qkvo), "attn", pieces=4)  # Q, K, V, O
         self.gate_w = tag(nn.Parameter(torch.zeros(num_heads, GATE_INPUTS)), "gate")
 
     def forward(self, x, lambdas, ve, attention, mask, cos_sin, attn_scale, key_shift):
@@ -843,28 +989,340 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 
-class GPT(nn.Module):
-    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, window_block_tokens=128):
+# DistAdam's groups in recipe 89: group -> (betas, lr_mul, wd_mul), the reference's parameter table
+ADAM_GROUPS = {
+    "lm_head": ((0.5, 0.95), 1.0, 150.0), "embed": ((0.5, 0.95), 1.0, 150.0),
+    "value_embed": ((0.75, 0.95), 75.0, 5.0), "bigram": ((0.75, 0.95), 75.0, 5.0),
+    "scalars": ((0.9, 0.99), 5.0, 0.0), "smear_gate": ((0.9, 0.99), 0.01, 0.0), "skip_gate": ((0.9, 0.99), 0.05, 0.0),
+    "gate": ((0.9, 0.99), 1.0, 1.0),  # attention and value-embedding gates
+    "resid_lambdas": ((0.9, 0.95), 5.0, 0.0), "lambdas": ((0.9, 0.95), 1.0, 0.0),  # output, x0, bigram, XSA
+    "mudd": ((0.9, 0.99), 0.25, 1.0), "mudd_bias": ((0.9, 0.99), 0.25, 0.0),
+}
+
+MUDD_SCALE = 0.1  # the coefficient networks' outputs (and so their biases) are scaled by 0.1
+MUDD_LAYER_COEFS, MUDD_OUTPUT_COEFS = 14, 5
+VE_GATE_HALF = GATE_INPUTS // 2  # a value-embedding gate reads 6 channels of the input and 6 of the embedding
+
+
+def mudd_bias_init():
+    """The coefficient networks' initial biases, before the 0.1 scale, rounded to bf16 as the reference
+    stores them: the last layer starts with its value-embedding gates at 2, residual/output lambdas at
+    sqrt(1.1) (1.05 in bf16) and 1, bigram lambda 0.05; the output network with -0.5 on the backout
+    layer's output (the former backout lambda)."""
+    b = torch.zeros(2, MUDD_LAYER_COEFS)
+    b[0, 6] = b[0, 7] = 2.0 / MUDD_SCALE
+    b[0, 8] = b[0, 12] = 1.1 ** 0.5 / MUDD_SCALE
+    b[0, 9] = b[0, 13] = 1.0 / MUDD_SCALE
+    b[0, 11] = 0.05 / MUDD_SCALE
+    b[1, 1] = -0.5 / MUDD_SCALE
+    return b.bfloat16().float()
+
+
+def adam_tag(p, group, hp):
+    """tag() with recipe 89's DistAdam group: its betas (unless --adam_group_betas false) and multipliers."""
+    betas, lr_mul, wd_mul = ADAM_GROUPS[group]
+    return tag(p, group, lr_mul, wd_mul, betas=betas if hp.adam_group_betas else None, optimizer="adam")
+
+
+def uniform_init(rows, cols):
+    bound = math.sqrt(3) * 0.5 / math.sqrt(cols)  # std 0.5 / sqrt(cols)
+    return torch.empty(rows, cols).uniform_(-bound, bound)
+
+
+class Layer(nn.Module):
+    """One layer's weights in recipe 89: [Q; K] and [V; O] (each 2 hdim x dim, so NorMuon can cut Q and K
+    into head pairs), the attention and value-embedding gates, and the MLP."""
+
+    def __init__(self, hp, has_attn, ve_gate, paired, xsa, key_shift):
         super().__init__()
-        self.roles = layer_roles(num_layers)
+        D, H, hdim = hp.model_dim, hp.num_heads, hp.num_heads * hp.head_dim
+        self.paired, self.xsa, self.key_shift = paired, xsa, key_shift
+        gate_tag = (lambda p, group: adam_tag(p, group, hp)) if hp.gates_in_adam else (lambda p, group: tag(p, "gate"))
+        if has_attn:
+            qk_pieces = H if hp.muon_qk_head_pairs else 2  # head pairs of Q, then of K
+            self.qk_w = tag(nn.Parameter(uniform_init(2 * hdim, D)), "attn_qk", pieces=qk_pieces)
+            vo = uniform_init(2 * hdim, D)
+            if hp.zero_init_attn_out:
+                vo[hdim:].zero_()
+            self.vo_w = tag(nn.Parameter(vo), "attn_vo", pieces=2)
+            self.gate_w = gate_tag(nn.Parameter(torch.zeros(H, GATE_INPUTS)), "gate")
+            self.ve_gate_w = gate_tag(nn.Parameter(torch.zeros(H, GATE_INPUTS)), "gate") if ve_gate else None
+        self.fc_w = tag(nn.Parameter(uniform_init(4 * D, D)), "mlp")
+        self.proj_w = tag(nn.Parameter(torch.zeros(4 * D, D)), "mlp", lr_mul=2.0)  # stored (hidden, dim) like fc_w
+
+
+class GPT(nn.Module):
+    """Record #89's model (modded-nanogpt, 2026-07-17): a hashed bigram embedding beside the tied token
+    embedding (untied by the optimizer at --untie_stage), five gated value embeddings, paired-head
+    attention, gated XSA, a gated U-net skip in place of one layer's attention, later layers attending
+    over the backout layer's output, per-sublayer residual lambdas, MUDD coefficient networks for the
+    last layer and the output, a shifted softcap and a multi-token-prediction loss. Every idea is a
+    field of Hyperparameters with a value that removes it."""
+
+    def __init__(self, hp):
+        super().__init__()
+        L, H, hd, D = hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim
+        self.roles = layer_roles_of(hp)
+        self.num_layers, self.num_heads, self.head_dim = L, H, hd
+        self.window_block_tokens = hp.window_block_tokens
+        self.bigram_dim, self.sign_rows = hp.bigram_dim, hp.bigram_sign_rows
+        self.sublayer_scalars, self.shared_attention_input = hp.sublayer_scalars, hp.shared_attention_input
+        self.softcap = Softcap(hp.softcap_scale, hp.softcap_offset)
+        self.use_mudd = hp.mudd_dim > 0
+        # the GPU paths; build_model swaps in the CPU fallbacks on a CPU
+        self.attention = FlexWindowAttention()
+        self.head_loss = softcap_cross_entropy
+        self.use_fp8 = False  # FP8 head (and MLP) matmuls in training (build_model turns them on where supported)
+        self.head_fp8_scales = head_fp8_scales(hp.head_fp8_amax)
+        self.fp8_mlp = None  # FP8MLPWeights where the MLP runs in FP8
+        padded_vocab = -(-hp.vocab_size // 128) * 128
+        self.lm_head = nn.Linear(D, padded_vocab, bias=False)
+        nn.init.normal_(self.lm_head.weight, std=0.005)
+        adam_tag(self.lm_head.weight, "lm_head", hp)
+        # the input embedding: tied to the head (kept equal to it by DistAdam) until the untie step
+        self.embed = adam_tag(nn.Parameter(self.lm_head.weight.detach().clone()), "embed", hp) \
+            if hp.untie_stage >= 0 else None
+        tables = max(self.roles.value_embed.values(), default=-1) + 1
+        self.value_embeds = nn.ParameterList([adam_tag(nn.Parameter(torch.randn(padded_vocab, D) * hp.value_embed_std),
+                                                       "value_embed", hp) for _ in range(tables)])
+        if hp.bigram_vocab_size:
+            self.bigram_embed = adam_tag(nn.Parameter(torch.zeros(hp.bigram_vocab_size, hp.bigram_dim)), "bigram", hp)
+            # each bigram row is multiplied by random signs chosen by the two tokens (collisions then differ)
+            signs = torch.randn(max(hp.bigram_sign_rows, 1), hp.bigram_dim).sign() if hp.bigram_sign_rows else \
+                torch.ones(1, hp.bigram_dim)
+            self.register_buffer("bigram_signs", signs)
+            self.bigram_lambdas = adam_tag(nn.Parameter(torch.full((L,), 0.05)), "lambdas", hp)
+        else:
+            self.bigram_embed = self.bigram_lambdas = None
+        gate_group = (lambda p, group: adam_tag(p, group, hp)) if hp.gates_in_adam else (lambda p, group: tag(p, "gate"))
+        self.smear_gate_w = gate_group(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "smear_gate")
+        self.skip_gate_w = gate_group(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "skip_gate") if hp.skip_gate else None
+        last = L - 1
+        self.layers = nn.ModuleList([
+            Layer(hp, has_attn=i != self.roles.attn_free,
+                  ve_gate=hp.value_embed_gates and i in self.roles.value_embed and not (self.use_mudd and i == last),
+                  paired=i in self.roles.paired, xsa=i in self.roles.xsa,
+                  key_shift=i in self.roles.long_window and i not in self.roles.paired) for i in range(L)])
+        self.rotary = Rotary(hd)
+        # attention lambda pairs (QKV, O) per layer, smear lambda 0, skip lambda -1.5 (sigmoid 0.18);
+        # without MUDD also the backout lambda 0.5
+        extra = [] if self.use_mudd else [0.5]
+        self.scalars = adam_tag(nn.Parameter(torch.tensor([0.5, 1.0] * L + [0.0, -1.5] + extra)), "scalars", hp)
+        if hp.sublayer_scalars:  # residual and output lambdas of the attention and the MLP sublayer
+            self.resid_lambdas = adam_tag(nn.Parameter(torch.full((L, 2), 1.1 ** 0.5)), "resid_lambdas", hp)
+            self.post_lambdas = adam_tag(nn.Parameter(torch.ones(L, 2)), "lambdas", hp)
+        else:  # one residual lambda per layer, before it
+            self.resid_lambdas = adam_tag(nn.Parameter(torch.full((L,), 1.1)), "resid_lambdas", hp)
+            self.post_lambdas = None
+        self.x0_lambdas = adam_tag(nn.Parameter(torch.zeros(L)), "lambdas", hp)
+        self.xsa_alphas = adam_tag(nn.Parameter(torch.zeros(L, H)), "lambdas", hp) if self.roles.xsa else None
+        if self.use_mudd:
+            w1 = torch.empty(2, hp.mudd_dim, D).uniform_(-1 / math.sqrt(D), 1 / math.sqrt(D))
+            self.mudd_w1 = adam_tag(nn.Parameter(w1), "mudd", hp)
+            self.mudd_w2 = adam_tag(nn.Parameter(torch.zeros(2, MUDD_LAYER_COEFS, hp.mudd_dim)), "mudd", hp)
+            self.mudd_b2 = adam_tag(nn.Parameter(mudd_bias_init()), "mudd_bias", hp)
+
+    def embedding_table(self):
+        return self.lm_head.weight if self.embed is None else self.embed
+
+    def bf16_params(self):
+        """The parameters the GPU path keeps in bf16, as the reference does: embeddings, head, gates and the
+        MUDD networks (the hidden matrices stay fp32 masters, and the lambdas fp32)."""
+        fp32_groups = ("scalars", "resid_lambdas", "lambdas")
+        return [p for p in self.parameters()
+                if (p.optimizer == "adam" and p.label not in fp32_groups) or p.label == "gate"]
+
+    def mudd(self, x, block, count):
+        """`count` per-token coefficients (T, 1) of MUDD network `block` (0: the last layer, 1: the output)."""
+        h = F.gelu(F.linear(x, self.mudd_w1[block].type_as(x)))
+        out = (F.linear(h, self.mudd_w2[block, :count].type_as(x)) + self.mudd_b2[block, :count].type_as(x)) * MUDD_SCALE
+        return out.split(1, dim=-1)
+
+    def bigram_input(self, input_seq, bigram_ids):
+        """(T, bigram_dim): the bigram rows (hashed by the loader) times signs chosen by both tokens."""
+        if self.bigram_embed is None:
+            return None
+        signs = self.bigram_signs
+        if self.sign_rows:
+            sign_index = torch.cat([input_seq[:1] * 0, (input_seq[:-1] ^ input_seq[1:]) % self.sign_rows])
+            signs = signs[sign_index]
+        return F.embedding(bigram_ids, self.bigram_embed) * signs.type_as(self.bigram_embed)
+
+    def add_bigram(self, x, bigram, lam):
+        return x if bigram is None else torch.cat([x[:, :self.bigram_dim] + bigram.type_as(x) * lam, x[:, self.bigram_dim:]], -1)
+
+    def attention_kinds(self):
+        """{(long window, paired)} of the attention layers: each kind needs a mask of its own."""
+        return {(i in self.roles.long_window, layer.paired) for i, layer in enumerate(self.layers)
+                if i != self.roles.attn_free}
+
+    def attention_context(self, docs, window_blocks, seq_len):
+        """{(long window, paired): (mask, rotary tables)} of the attention layers: a paired layer's
+        stream is twice as long (two rows per token), and head h of token t sits at rotary position
+        2t + h % 2 (the reference rotates head pairs side by side, then splits the stream by halves)."""
+        context, tables = {}, {}
+        for long, paired in self.attention_kinds():
+            tokens = window_blocks[1 if long else 0] * self.window_block_tokens
+            if paired not in tables:
+                if paired:
+                    parity = torch.arange(self.num_heads, device=docs.device) % 2
+                    tables[paired] = tuple(t.view(seq_len, 2, -1)[:, parity] for t in self.rotary.cos_sin(2 * seq_len))
+                else:
+                    tables[paired] = self.rotary.cos_sin(seq_len)
+            mask = self.attention.mask(docs.repeat_interleave(2) if paired else docs, tokens)
+            context[long, paired] = (mask, tables[paired])
+        return context
+
+    def attend(self, layer, x, lambdas, aux_v, xsa_alpha, context):
+        """One layer's attention on its normed input x (T, D); the lambdas scale [Q; K; V] and O."""
+        mask, cos_sin = context
+        T, H, hd = x.size(0), self.num_heads, self.head_dim
+        hdim = H * hd
+        w_qkv = torch.cat([layer.qk_w, layer.vo_w[:hdim]]).type_as(x)
+        q, k, v = F.linear(x, lambdas[0] * w_qkv).view(T, 3, H, hd).unbind(1)
+        q, k = apply_rotary(norm(q), cos_sin), apply_rotary(norm(k), cos_sin)
+        if layer.key_shift:
+            k = shift_keys(k)
+        if aux_v is not None:
+            v = v + aux_v.view_as(v)
+        if layer.paired:  # row 2t + r, slot s of the doubled stream holds head r H/2 + s of token t
+            y = self.attention(*(t.reshape(2 * T, H // 2, hd) for t in (q, k, v)), mask, self.rotary.attn_scale)
+            y = y.reshape(T, H, hd)
+        else:
+            y = self.attention(q, k, v, mask, self.rotary.attn_scale)
+        if xsa_alpha is not None:  # subtract a gated share of y along its own (unit) value
+            unit_v = F.normalize(v, dim=-1, eps=1e-4)
+            y = y - torch.tanh(xsa_alpha).type_as(y)[:, None] * (y * unit_v).sum(-1, keepdim=True) * unit_v
+        y = y * torch.sigmoid(F.linear(x[:, :GATE_INPUTS], layer.gate_w.type_as(x)))[..., None]
+        return F.linear(y.reshape(T, hdim), lambdas[1] * layer.vo_w[hdim:].type_as(x))
+
+    def mlp(self, layer, i, x):
+        if self.fp8_mlp is not None and self.training:
+            return self.fp8_mlp(i, x, layer.fc_w, layer.proj_w)
+        return F.relu(F.linear(x, layer.fc_w.type_as(x))).square() @ layer.proj_w.type_as(x)
+
+    def fp8_scales(self):
+        return self.head_fp8_scales if self.use_fp8 else None
+
+    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None, mtp_weights=None):
+        """Loss of one packed sequence: window_blocks = (short, long) attention windows in blocks,
+        bigram_ids the loader's hashed bigrams, mtp_weights the step's weights of the next 3 tokens."""
+        T, L, H, hd = input_seq.numel(), self.num_layers, self.num_heads, self.head_dim
+        roles, last = self.roles, self.num_layers - 1
+        docs = document_ids(cu_seqlens, T)
+        context = self.attention_context(docs, window_blocks, T)
+        # lambdas the reference rounds to bf16 before use
+        bf16 = lambda t: None if t is None else t.bfloat16()  # noqa: E731
+        resid, post, x0_lam, bigram_lam = map(bf16, (self.resid_lambdas, self.post_lambdas, self.x0_lambdas,
+                                                     self.bigram_lambdas))
+        sa = self.scalars[: 2 * L].view(L, 2)
+        smear_lam, skip_lam = self.scalars[2 * L], self.scalars[2 * L + 1]
+
+        x = F.embedding(input_seq, self.embedding_table())
+        # smear: each token's embedding takes a gated share of the previous one (across documents too)
+        gate = smear_lam * torch.sigmoid(F.linear(x[1:, :GATE_INPUTS], self.smear_gate_w.type_as(x)))
+        x = norm(torch.cat([x[:1], x[1:] + gate * x[:-1]]))
+        bigram = self.bigram_input(input_seq, bigram_ids)
+        x = x0 = self.add_bigram(x, bigram, None if bigram is None else bigram_lam[0].type_as(x))  # x0 holds it too
+        ve = [F.embedding(input_seq, table).type_as(x) for table in self.value_embeds]
+        if self.skip_gate_w is not None:
+            skip_scale = torch.sigmoid(skip_lam) * 2 * torch.sigmoid(F.linear(x0[:, :GATE_INPUTS], self.skip_gate_w.type_as(x)))
+        else:
+            skip_scale = torch.sigmoid(skip_lam)
+        cache = {}  # outputs of the skip source and the backout layer, and the last layer's input
+        for i, layer in enumerate(self.layers):
+            mu = None
+            if i == roles.attn_free:
+                x = x + skip_scale * cache["skip"]
+            if not self.sublayer_scalars:  # one residual and x0 lambda per layer, before it
+                x = resid[i].type_as(x) * x + x0_lam[i].type_as(x) * x0
+                if i > 0:
+                    x = self.add_bigram(x, bigram, None if bigram is None else bigram_lam[i].type_as(x))
+            if i != roles.attn_free:
+                source = cache["backout"] if self.shared_attention_input and "backout" in cache else x
+                attn_in = norm(source)
+                table = roles.value_embed.get(i)
+                value = None if table is None else ve[table]
+                if self.use_mudd and i == last:
+                    cache["last_input"] = x
+                    mu = self.mudd(x, 0, MUDD_LAYER_COEFS)
+                    v_mudd = mu[0] * x0 + mu[1] * cache["backout"] + mu[2] * x
+                    x = (1 + mu[5]) * x + mu[3] * x0 + mu[4] * cache["backout"]
+                    lanes = torch.cat([mu[6], mu[7]], -1).repeat_interleave(H // 2, -1)  # half the heads each
+                    aux_v = v_mudd if value is None else (lanes[:, :, None] * value.view(T, H, hd)).view(T, -1) + v_mudd
+                elif value is not None and layer.ve_gate_w is not None:
+                    gate_in = torch.cat([attn_in[:, :VE_GATE_HALF], value[:, :VE_GATE_HALF]], -1)
+                    lanes = 2 * torch.sigmoid(F.linear(gate_in, layer.ve_gate_w.type_as(x)))
+                    aux_v = (lanes[:, :, None] * value.view(T, H, hd)).view(T, -1)
+                else:
+                    aux_v = value
+                xsa = self.xsa_alphas[i] if layer.xsa else None
+                a = self.attend(layer, attn_in, sa[i], aux_v, xsa, context[i in roles.long_window, layer.paired])
+                if mu is not None:
+                    x = self.add_bigram(mu[8] * x + mu[9] * a + mu[10] * x0, bigram, mu[11])
+                elif self.sublayer_scalars:
+                    x = resid[i, 0].type_as(x) * x + post[i, 0].type_as(x) * a + x0 * x0_lam[i].type_as(x)
+                    if i > 0:
+                        x = self.add_bigram(x, bigram, None if bigram is None else bigram_lam[i].type_as(x))
+                else:
+                    x = x + a
+            m = self.mlp(layer, i, norm(x))
+            if mu is not None:
+                x = mu[12] * x + mu[13] * m
+            elif self.sublayer_scalars:
+                x = resid[i, 1].type_as(x) * x + post[i, 1].type_as(x) * m
+            else:
+                x = x + m
+            if i == roles.skip_source:
+                cache["skip"] = x
+            if i == roles.backout:
+                cache["backout"] = x
+        if self.use_mudd:
+            mu = self.mudd(x, 1, MUDD_OUTPUT_COEFS)
+            first_ve = ve[0] if ve else 0
+            x = x + mu[0] * x0 + mu[1] * cache["backout"] + mu[2] * cache["last_input"] + mu[3] * first_ve + \
+                mu[4] * cache["skip"]
+        else:
+            x = x - self.scalars[2 * L + 2] * cache["backout"]
+        return self.head_loss(norm(x), self.lm_head.weight, target_seq.long(), self.training, self.fp8_scales(),
+                              self.softcap, mtp_weights)
+
+
+class RetieGPT(nn.Module):
+    """The retie recipe's model (modded-nanogpt's 2025-12-19 RetieLMHead record): tied embedding, smear
+    gate, value embeddings, half-truncated RoPE + YaRN, key shift, sliding-window document attention,
+    ReLU^2 MLP, U-net skip and backout."""
+
+    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, window_block_tokens=128,
+                 value_embeds=RETIE_VALUE_EMBEDS, softcap=None):
+        super().__init__()
+        self.roles = layer_roles(num_layers, value_embeds)
         self.num_layers = num_layers
         self.window_block_tokens = window_block_tokens
+        self.softcap = softcap or RETIE_SOFTCAP
         # the GPU paths; build_model swaps in the CPU fallbacks on a CPU
         self.attention = FlexWindowAttention()
         self.head_loss = softcap_cross_entropy
         self.use_fp8 = False  # FP8 head matmul in training (build_model turns it on where supported)
+        self.head_fp8_scales = HEAD_FP8_SCALES
         padded_vocab = -(-vocab_size // 128) * 128
         hdim = num_heads * head_dim
         self.lm_head = nn.Linear(model_dim, padded_vocab, bias=False)
         nn.init.normal_(self.lm_head.weight, std=0.005)
         tag(self.lm_head.weight, "lm_head")  # also the input embedding table (tied)
+        tables = max(self.roles.value_embed.values(), default=-1) + 1
         self.value_embeds = nn.ParameterList(
-            [tag(nn.Parameter(torch.zeros(padded_vocab, hdim)), "value_embed", lr_mul=75.0) for _ in range(3)])
+            [tag(nn.Parameter(torch.zeros(padded_vocab, hdim)), "value_embed", lr_mul=75.0) for _ in range(tables)])
         self.smear_gate_w = tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "gate")
         self.blocks = nn.ModuleList(
             [Block(model_dim, num_heads, head_dim, has_attn=i != self.roles.attn_free) for i in range(num_layers)])
         self.rotary = Rotary(head_dim)
         self.scalars = tag(nn.Parameter(initial_scalars(num_layers)), "scalars", lr_mul=5.0, wd_mul=0.0)
+
+    def bf16_params(self):
+        """The parameters the GPU path keeps in bf16, as the reference does: embeddings, head and gates."""
+        return [self.lm_head.weight, *self.value_embeds, self.smear_gate_w,
+                *(block.attn.gate_w for block in self.blocks if block.attn is not None)]
 
     def scalar_views(self):
         """Named views into the flat `scalars` parameter (layout of initial_scalars)."""
@@ -872,8 +1330,10 @@ class GPT(nn.Module):
         return dict(resid=s[:n], x0=s[n: 2 * n], attn=s[2 * n: 4 * n].view(n, 2),
                     smear=s[4 * n], backout=s[4 * n + 1], skip=s[4 * n + 2])
 
-    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks):
-        """Loss of one packed sequence; window_blocks = (short, long) attention windows in blocks."""
+    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None, mtp_weights=None):
+        """Loss of one packed sequence; window_blocks = (short, long) attention windows in blocks. The
+        retie recipe has no bigram embedding and no multi-token loss (both arguments must be None)."""
+        assert bigram_ids is None and mtp_weights is None, "the retie recipe has no bigram embedding or multi-token loss"
         seq_len = input_seq.numel()
         roles, lam = self.roles, self.scalar_views()
         docs = document_ids(cu_seqlens, seq_len)
@@ -903,7 +1363,8 @@ class GPT(nn.Module):
             if i == roles.backout:
                 backout = x
         x = norm(x - lam["backout"] * backout)
-        return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training, self.use_fp8)
+        return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training,
+                              self.head_fp8_scales if self.use_fp8 else None, self.softcap)
 
 
 def initial_scalars(num_layers):
@@ -916,9 +1377,19 @@ def initial_scalars(num_layers):
 # Head: the tied x @ W.T in FP8 (a custom op: e4m3 forward, e5m2 gradients, static scales) and the
 # softcapped cross-entropy
 
-# Static scales of the record's head: activations up to ~100, weights ~1.5, gradients ~0.75,
-# each divided by 448 (the largest finite float8_e4m3fn value) so they use the full e4m3 range.
-HEAD_FP8_SCALES = (100 / 448, 1.5 / 448, 0.75 / 448)
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
+
+
+def head_fp8_scales(amax, grad_divisor=1):
+    """Static FP8 scales of the head from the largest values it casts (--head_fp8_amax: activations,
+    weights, gradients), each divided by 448 so it uses the full e4m3 range; recipe 89 also divides the
+    gradients' by the accumulation steps, as its loss is."""
+    x, w, g = amax
+    return x / E4M3_MAX, w / E4M3_MAX, g / E4M3_MAX / grad_divisor
+
+
+# retie's head: activations up to ~100, weights ~1.5, gradients ~0.75
+HEAD_FP8_SCALES = head_fp8_scales((100.0, 1.5, 0.75))
 
 
 def fp8_forward(x, w, x_s, w_s):
@@ -1003,16 +1474,23 @@ def fp8_supported(device):
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def head_matmul(x, w, use_fp8):
-    """Logits x @ w.T of the tied head; FP8 in training where enabled, plain matmul otherwise."""
-    if use_fp8:
+def head_matmul(x, w, fp8_scales):
+    """Logits x @ w.T of the head; FP8 with the given (x, w, grad) scales, or a plain matmul (None)."""
+    if fp8_scales is not None:
         flat = x.reshape(-1, x.shape[-1])
-        return mm_fp8(flat.to(torch.bfloat16), w, *HEAD_FP8_SCALES)[0].view(*x.shape[:-1], w.shape[0])
+        return mm_fp8(flat.to(torch.bfloat16), w, *fp8_scales)[0].view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w.type_as(x))
 
 
-# logits -> SOFTCAP * sigmoid(logits / SOFTCAP_WIDTH): a smooth cap in (0, 30) (a shifted 15*tanh)
-SOFTCAP, SOFTCAP_WIDTH = 30.0, 7.5
+class Softcap(NamedTuple):
+    """logits -> scale * sigmoid((logits + offset) / SOFTCAP_WIDTH): a smooth cap in (0, scale)."""
+    scale: float
+    offset: float = 0.0
+    round_sigmoid: bool = False  # in training on the GPU: the sigmoid in bf16, as record #89's fused loss kernel has it
+
+
+SOFTCAP_WIDTH = 7.5
+RETIE_SOFTCAP = Softcap(30.0)  # a shifted 15 tanh
 
 
 # Validation computes the head over at most this many tokens at once, so its memory does not grow with
@@ -1021,18 +1499,118 @@ SOFTCAP, SOFTCAP_WIDTH = 30.0, 7.5
 EVAL_HEAD_ROWS = 16384
 
 
-def softcapped(logits):
-    return SOFTCAP * torch.sigmoid(logits.float() / SOFTCAP_WIDTH)
+def softcapped(logits, softcap, training=False):
+    z = logits.float()
+    if softcap.offset:
+        z = z + softcap.offset
+    s = torch.sigmoid(z / SOFTCAP_WIDTH)
+    if training and softcap.round_sigmoid:
+        s = s.bfloat16().float()
+    return softcap.scale * s
 
 
-def softcap_cross_entropy(x, weight, targets, training, use_fp8):
-    """The head and its loss on the GPU path: summed over tokens in training (the caller divides by
-    the accumulation steps), mean in fp32 for validation. The compiled graph fuses the softcap."""
+def multi_token_loss(z, targets, weights):
+    """sum_t sum_k w_k (logsumexp(z_t) - z_t[targets[t + k]]) over the positions with t + k inside the
+    sequence: token t also predicts the tokens k = 1, 2 after its own target (across documents, as
+    record #89's loss does)."""
+    lse = torch.logsumexp(z, dim=-1)
+    total = z.new_zeros(())
+    for k in range(weights.numel()):
+        picked = z[: z.size(0) - k].gather(1, targets[k:, None])[:, 0]
+        total = total + weights[k] * (lse[: z.size(0) - k] - picked).sum()
+    return total
+
+
+def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap=RETIE_SOFTCAP, mtp_weights=None):
+    """The head and its loss on the GPU path: summed over tokens in training (the next-token loss, or
+    the multi-token loss with the step's mtp_weights; the caller divides by the accumulation steps),
+    the mean next-token loss in fp32 for validation. The compiled graph fuses the softcap."""
     if training:
-        return F.cross_entropy(softcapped(head_matmul(x, weight, use_fp8)), targets, reduction="sum")
-    total = sum(F.cross_entropy(softcapped(head_matmul(xc, weight, False)), tc, reduction="sum")
+        z = softcapped(head_matmul(x, weight, fp8_scales), softcap, training=True)
+        return F.cross_entropy(z, targets, reduction="sum") if mtp_weights is None else \
+            multi_token_loss(z, targets, mtp_weights)
+    total = sum(F.cross_entropy(softcapped(head_matmul(xc, weight, None), softcap), tc, reduction="sum")
                 for xc, tc in zip(x.split(EVAL_HEAD_ROWS), targets.split(EVAL_HEAD_ROWS)))
     return total / x.size(0)
+
+
+class FP8ReluSquareMLP(torch.autograd.Function):
+    """relu(x W1^T)^2 W2 with both products in FP8 as record #89 computes them: x scaled by 448/amax(x)
+    into e4m3 against W1 quantized per layer; the squared activation scaled by the activation scale
+    (1.8 x the previous forward's amax / 448), clamped at 448, into e4m3 against W2 quantized with its
+    delayed scale. The backward runs in the weights' dtype from the saved pre- and post-activations.
+    Also returns amax(post), the next forward's activation amax."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, w1_f8, w1_scale, w2_f8, w2_scale, act_scale):
+        amax = x.detach().abs().amax().clamp(min=1e-12)
+        x_f8 = (x.detach() * (E4M3_MAX / amax)).to(torch.float8_e4m3fn)
+        dequant = w1_scale * amax.float() / E4M3_MAX
+        pre = torch._scaled_mm(x_f8, w1_f8.T, scale_a=dequant, scale_b=dequant.new_ones(()), out_dtype=x.dtype)
+        post = F.relu(pre).square()
+        post_f8 = (post.float() * (1 / act_scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        out = torch._scaled_mm(post_f8, w2_f8, scale_a=act_scale, scale_b=w2_scale, out_dtype=x.dtype,
+                               use_fast_accum=True)
+        ctx.save_for_backward(x, w1, w2, pre, post)
+        return out, post.detach().amax().float()
+
+    @staticmethod
+    def backward(ctx, grad_out, _):
+        x, w1, w2, pre, post = ctx.saved_tensors
+        grad_out = grad_out.to(x.dtype)
+        grad_pre = 2 * (grad_out @ w2.T.type_as(x)) * F.relu(pre)
+        return (grad_pre @ w1.type_as(x), grad_pre.T.float() @ x.float(), post.T.float() @ grad_out.float(),
+                None, None, None, None, None)
+
+
+class FP8MLPWeights(nn.Module):
+    """Record #89's FP8 copies of the MLP weights and their scales, refreshed after every optimizer
+    step (quantize): W1 with its own amax (current scaling, in bf16); W2 with the scale computed at the
+    previous refresh, 1.12 x amax / 448 (delayed scaling; it clips if amax grew by more than 12 %), or
+    with its current amax / 448 while `bootstrap` (the first 16 steps). The scales are persistent
+    buffers, so a checkpoint resumes with the copies the run had (requantize)."""
+
+    W2_HEADROOM, ACT_HEADROOM, BOOTSTRAP_STEPS = 1.12, 1.8, 16
+
+    def __init__(self, layers, hidden, dim):
+        super().__init__()
+        self.register_buffer("act_scales", torch.ones(layers))  # 1.0 before the first forward, as the reference
+        self.register_buffer("w2_scales", torch.ones(layers))  # the scale of the current W2 copy
+        self.register_buffer("w2_next_scales", torch.ones(layers))
+        self.register_buffer("w1_f8", torch.zeros(layers, hidden, dim, dtype=torch.float8_e4m3fn), persistent=False)
+        self.register_buffer("w1_scales", torch.ones(layers), persistent=False)
+        # W2's copy column-major, as _scaled_mm takes its second operand
+        self.register_buffer("w2_f8", torch.zeros(layers, dim, hidden, dtype=torch.float8_e4m3fn).mT, persistent=False)
+
+    @torch.no_grad()
+    def quantize(self, layers, bootstrap):
+        w1 = torch.stack([layer.fc_w for layer in layers]).bfloat16()  # the weights as the forward sees them
+        w2 = torch.stack([layer.proj_w for layer in layers]).bfloat16().float()
+        w1_scales = w1.abs().amax(dim=(1, 2)).clamp(min=1e-12) / E4M3_MAX  # bf16, as the reference
+        self.w1_scales.copy_(w1_scales.float())
+        self.w1_f8.copy_((w1 / w1_scales[:, None, None]).to(torch.float8_e4m3fn))
+        w2_amax = w2.bfloat16().abs().amax(dim=(1, 2)).clamp(min=1e-12)  # bf16, as the reference
+        if bootstrap:
+            self.w2_next_scales.copy_((w2_amax / E4M3_MAX).float())
+        self.w2_scales.copy_(self.w2_next_scales)
+        self._quantize_w2(w2)
+        self.w2_next_scales.copy_(w2_amax.float() * (self.W2_HEADROOM / E4M3_MAX))
+
+    @torch.no_grad()
+    def requantize(self, layers):
+        """The copies of the current weights at the scales in the buffers (after a restore)."""
+        w1 = torch.stack([layer.fc_w for layer in layers]).bfloat16()
+        self.w1_f8.copy_((w1 / self.w1_scales.bfloat16()[:, None, None]).to(torch.float8_e4m3fn))
+        self._quantize_w2(torch.stack([layer.proj_w for layer in layers]).bfloat16().float())
+
+    def _quantize_w2(self, w2):
+        self.w2_f8.copy_((w2 / self.w2_scales[:, None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
+
+    def forward(self, i, x, fc_w, proj_w):
+        out, post_amax = FP8ReluSquareMLP.apply(x, fc_w, proj_w, self.w1_f8[i], self.w1_scales[i], self.w2_f8[i],
+                                                self.w2_scales[i], self.act_scales[i])
+        self.act_scales[i].copy_(post_amax.clamp(min=1e-12) * (self.ACT_HEADROOM / E4M3_MAX))
+        return out
 
 # ----------------------------------------------------------------------------------------------
 # CPU fallbacks: FlexAttention has no CPU backward, so attention runs as tiled SDPA with the same mask;
@@ -1083,30 +1661,44 @@ class TiledWindowAttention:
 SOFTCAP_CHUNK = 512  # rows of logits alive at once in the CPU loss
 
 
-def chunked_softcap_loss(x, w, targets, with_grads):
-    """Summed cross-entropy of the softcapped logits of x @ w.T, SOFTCAP_CHUNK rows at a time;
-    with_grads also forms d loss / d x and d loss / d w on the way. On CPU, eager elementwise passes
-    over full (tokens, vocab) logits dominate; on GPU the compiled graph fuses them instead."""
+def chunked_softcap_loss(x, w, targets, with_grads, softcap=RETIE_SOFTCAP, mtp_weights=None):
+    """Summed cross-entropy of the softcapped logits of x @ w.T (with mtp_weights: the multi-token
+    loss), SOFTCAP_CHUNK rows at a time; with_grads also forms d loss / d x and d loss / d w on the way.
+    On CPU, eager elementwise passes over full (tokens, vocab) logits dominate; on GPU the compiled
+    graph fuses them instead."""
+    scale, n = softcap.scale, x.size(0)
+    weights = [1.0] if mtp_weights is None else mtp_weights  # 0-dim tensors: no host read
     grad_x = torch.empty_like(x) if with_grads else None
     grad_w = torch.zeros_like(w) if with_grads else None
     total = x.new_zeros((), dtype=torch.float32)
-    for start in range(0, x.size(0), SOFTCAP_CHUNK):
-        xc, tc = x[start: start + SOFTCAP_CHUNK], targets[start: start + SOFTCAP_CHUNK]
-        rows = torch.arange(tc.numel(), device=x.device)
-        logits = (xc @ w.T).float().div_(SOFTCAP_WIDTH).sigmoid_().mul_(SOFTCAP)
-        # d logits / d z = SOFTCAP * s (1 - s) / SOFTCAP_WIDTH with s = logits / SOFTCAP,
-        # i.e. logits * (SOFTCAP - logits) / (SOFTCAP * SOFTCAP_WIDTH) = logits * (30 - logits) / 225
-        slope = torch.rsub(logits, SOFTCAP).mul_(logits) if with_grads else None
-        target_logits = logits[rows, tc]
-        probs = logits.exp_()  # logits lie in (0, SOFTCAP): exp cannot overflow, no max-subtraction needed
+    for start in range(0, n, SOFTCAP_CHUNK):
+        xc = x[start: start + SOFTCAP_CHUNK]
+        rows = torch.arange(xc.size(0), device=x.device)
+        # the targets of the next len(weights) tokens that exist: row r of horizon k targets token start + r + k
+        horizons = [(wk, targets[start + k: start + k + xc.size(0)]) for k, wk in enumerate(weights) if start + k < n]
+        logits = (xc @ w.T).float()
+        if softcap.offset:
+            logits.add_(softcap.offset)
+        logits.div_(SOFTCAP_WIDTH).sigmoid_().mul_(scale)
+        # d logits / d z = scale * s (1 - s) / SOFTCAP_WIDTH with s = logits / scale,
+        # i.e. logits * (scale - logits) / (scale * SOFTCAP_WIDTH)
+        slope = torch.rsub(logits, scale).mul_(logits) if with_grads else None
+        picked = [logits[rows[: tk.numel()], tk] for _, tk in horizons]
+        probs = logits.exp_()  # logits lie in (0, scale): exp cannot overflow, no max-subtraction needed
         sum_exp = probs.sum(dim=1)
-        total += (sum_exp.log() - target_logits).sum()
+        log_sum = sum_exp.log()
+        for (wk, tk), z in zip(horizons, picked):
+            term = (log_sum[: tk.numel()] - z).sum()
+            total += term if mtp_weights is None else wk * term
         if with_grads:
             probs.mul_(sum_exp.reciprocal_()[:, None])
-            probs[rows, tc] -= 1
+            if mtp_weights is not None:  # each row's probabilities once per horizon it predicts
+                probs.mul_(sum(torch.where(rows < tk.numel(), wk, 0.0) for wk, tk in horizons)[:, None])
+            for wk, tk in horizons:  # one target per row and horizon
+                probs[rows[: tk.numel()], tk] -= wk
             grad_logits = probs.mul_(slope)
-            grad_x[start: start + SOFTCAP_CHUNK] = (grad_logits @ w.float()).div_(SOFTCAP * SOFTCAP_WIDTH).to(x.dtype)
-            grad_w += (grad_logits.T @ xc.float()).div_(SOFTCAP * SOFTCAP_WIDTH).to(w.dtype)
+            grad_x[start: start + SOFTCAP_CHUNK] = (grad_logits @ w.float()).div_(scale * SOFTCAP_WIDTH).to(x.dtype)
+            grad_w += (grad_logits.T @ xc.float()).div_(scale * SOFTCAP_WIDTH).to(w.dtype)
     return total, grad_x, grad_w
 
 
@@ -1115,22 +1707,23 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
     (tokens, vocab) tensor outlives one chunk."""
 
     @staticmethod
-    def forward(ctx, x, w, targets):
-        total, grad_x, grad_w = chunked_softcap_loss(x, w, targets, with_grads=True)
+    def forward(ctx, x, w, targets, softcap, mtp_weights):
+        total, grad_x, grad_w = chunked_softcap_loss(x, w, targets, True, softcap, mtp_weights)
         ctx.save_for_backward(grad_x, grad_w)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_total, grad_w * grad_total, None
+        return grad_x * grad_total, grad_w * grad_total, None, None, None
 
 
-def chunked_softcap_cross_entropy(x, weight, targets, training, use_fp8):
-    """softcap_cross_entropy for the CPU: same values, chunked (use_fp8 is ignored: no FP8 on CPU)."""
+def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap=RETIE_SOFTCAP, mtp_weights=None):
+    """softcap_cross_entropy for the CPU: same values, chunked (fp8_scales and the sigmoid's bf16
+    rounding are ignored: no FP8 on CPU, and the CPU path computes in fp32)."""
     if training:
-        return ChunkedSoftcapLoss.apply(x, weight, targets)
-    return chunked_softcap_loss(x, weight, targets, with_grads=False)[0] / x.size(0)
+        return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights)
+    return chunked_softcap_loss(x, weight, targets, False, softcap)[0] / x.size(0)
 
 
 CPU_POLAR_EXPRESS = dict(use_triton=False, dtype=torch.float32)
@@ -1148,18 +1741,32 @@ def check_fp8_device(hp, device):
         raise ConfigError("--fp8 on needs a CUDA device (the CPU path has no FP8 head); use --fp8 auto or off")
 
 
-def build_model(hp, device):
-    """The model on `device`: the GPU paths (bf16 embeddings and gates as in the reference, FP8 head
-    where supported or forced) on CUDA, the CPU fallbacks (fp32) on a CPU."""
+def new_model(hp):
+    """The recipe's model, on the CPU, in fp32, with the GPU paths."""
+    if hp.recipe == "retie":
+        return RetieGPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, hp.window_block_tokens,
+                        (hp.value_embed_layers, hp.value_embed_tables), Softcap(hp.softcap_scale, hp.softcap_offset))
+    return GPT(hp)
+
+
+def build_model(hp, device, accum=1):
+    """The model on `device`: the GPU paths (bf16 embeddings and gates as in the reference; FP8 head, and
+    recipe 89's FP8 MLP, where supported or forced) on CUDA, the CPU fallbacks (fp32) on a CPU. `accum`
+    (gradient accumulation steps) scales recipe 89's FP8 gradient cast as its loss is scaled."""
     check_fp8_device(hp, device)
-    model = GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, hp.window_block_tokens).to(device)
+    model = new_model(hp).to(device)
     if device.type != "cuda":
         return use_cpu_fallbacks(model)
-    for p in [model.lm_head.weight, *model.value_embeds, model.smear_gate_w,
-              *(block.attn.gate_w for block in model.blocks if block.attn is not None)]:
+    for p in model.bf16_params():
         p.data = p.data.to(torch.bfloat16)
     model.use_fp8 = hp.fp8 == "on" or (hp.fp8 == "auto" and fp8_supported(device))
     model.attention = FlexWindowAttention(compile_kernel=not hp.compile)
+    if isinstance(model, GPT):
+        model.head_fp8_scales = head_fp8_scales(hp.head_fp8_amax, accum)
+        model.softcap = model.softcap._replace(round_sigmoid=True)
+        if model.use_fp8 and hp.fp8_mlp:
+            model.fp8_mlp = FP8MLPWeights(hp.num_layers, 4 * hp.model_dim, hp.model_dim).to(device)
+            model.fp8_mlp.quantize(model.layers, bootstrap=True)
     return model
 
 # ----------------------------------------------------------------------------------------------
@@ -1376,9 +1983,9 @@ class NorMuon(ScheduledOptimizer):
     GPU_POLAR_EXPRESS, or CPU_POLAR_EXPRESS on a CPU.
     """
 
-    def __init__(self, params, lr, weight_decay, momentum, beta2=0.95, polar=GPU_POLAR_EXPRESS):
+    def __init__(self, params, lr, weight_decay, momentum, beta2=0.95, polar=GPU_POLAR_EXPRESS, lr_rule="param"):
         self.rank, self.world_size = world_info()
-        self.polar = polar
+        self.polar, self.lr_rule = polar, lr_rule
         params = list(params)
         self.param_groups = [self._group(stack, lr, weight_decay, momentum, beta2)
                              for stack in stacked_groups(params, self.world_size)]
@@ -1390,19 +1997,20 @@ class NorMuon(ScheduledOptimizer):
             group["momentum"] = momentum
 
     def _group(self, params, lr, weight_decay, momentum, beta2):
-        rows, cols = params[0].shape
         chunk = -(-len(params) // self.world_size)
         padding = [0.0] * (chunk * self.world_size - len(params))
 
         def per_param(values):
             return torch.tensor(values + padding, dtype=torch.float32, device=params[0].device)
 
+        def shape_factor(q):  # sqrt(max(1, rows/cols)) of the piece or of the stored parameter
+            rows, cols = q.shape
+            return max(1.0, (rows // q.pieces if self.lr_rule == "piece" else rows) / cols) ** 0.5
+
         return dict(
             params=params, lr=lr, initial_lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2, chunk=chunk,
-            # NorMuon normalizes per row for tall/square matrices and gates, per column for wide matrices.
-            reduce_dim=-1 if rows >= cols or params[0].label == "gate" else -2,
-            # step size multiplier sqrt(max(1, rows/cols)) x the parameter's lr_mul (stored shape)
-            lr_scale=per_param([max(1.0, rows / cols) ** 0.5 * q.lr_mul for q in params]),
+            reduce_dim=piece_reduce_dim(params[0]),
+            lr_scale=per_param([shape_factor(q) * q.lr_mul for q in params]),  # x the parameter's lr_mul
             wd_scale=per_param([q.wd_mul for q in params]),
             momentum_buffer=None, second_moment=None)
 
@@ -1450,17 +2058,16 @@ class NorMuon(ScheduledOptimizer):
         params = group["params"][start: start + n_real]
         if group["momentum_buffer"] is None:
             group["momentum_buffer"] = torch.zeros_like(grad)
-            moment_shape = list(grad.shape)
-            moment_shape[group["reduce_dim"]] = 1
-            group["second_moment"] = grad.new_zeros(moment_shape)
+            group["second_moment"] = grad.new_zeros(grad.shape[0], *second_moment_shape(group["params"][0]))
         mu = group["momentum"]
         buf = group["momentum_buffer"]
         buf.lerp_(grad, 1 - mu)
         nesterov = grad.lerp_(buf, mu)
         update = torch.zeros_like(grad, dtype=self.polar["dtype"])
-        for label, lo, hi in label_runs([p.label for p in params]):
-            # the merged attention weight is four matrices (Q, K, V, O) for both steps
-            update[lo:hi] = normuon_direction(nesterov[lo:hi], group["second_moment"][lo:hi], 4 if label == "attn" else 1,
+        for pieces, lo, hi in label_runs([p.pieces for p in params]):
+            # a parameter of several pieces (the merged attention weight's Q, K, V, O; Q and K head pairs)
+            # is that many matrices for both steps
+            update[lo:hi] = normuon_direction(nesterov[lo:hi], group["second_moment"][lo:hi], pieces,
                                               group["reduce_dim"], group["beta2"], self.polar)
         weights = torch.zeros_like(grad, dtype=torch.float32)
         if n_real:
@@ -1501,18 +2108,29 @@ class NorMuon(ScheduledOptimizer):
                 group[key] = local
 
 
+def piece_reduce_dim(p):
+    """NorMuon normalizes a piece per row (-1) if it is at least as tall as wide, else per column (-2);
+    gates always per row."""
+    rows, cols = p.shape
+    return -1 if rows // p.pieces >= cols or p.label == "gate" else -2
+
+
+def second_moment_shape(p):
+    """NorMuon's second moment of one parameter: one value per row, or per column of each piece."""
+    rows, cols = p.shape
+    return (rows, 1) if piece_reduce_dim(p) == -1 else (p.pieces, cols)
+
+
 def stacked_groups(params, world_size):
-    """NorMuon's communication groups: parameters of one shape (sorted by label), split in two when
-    each rank can still own one of each half; smallest groups first. Each group is stacked, padded to
-    a multiple of the world size and cut into equal per-rank chunks."""
+    """NorMuon's communication groups: parameters of one shape and second-moment layout (sorted by
+    label), split in two when each rank can still own one of each half; smallest groups first. Each
+    group is stacked, padded to a multiple of the world size and cut into equal per-rank chunks."""
     by_shape = {}
     for p in params:
-        by_shape.setdefault(tuple(p.shape), []).append(p)
+        by_shape.setdefault((tuple(p.shape), second_moment_shape(p)), []).append(p)
     groups = []
-    for shape, same_shape in sorted(by_shape.items(), key=lambda kv: math.prod(kv[0]) * len(kv[1])):
+    for (shape, _), same_shape in sorted(by_shape.items(), key=lambda kv: math.prod(kv[0][0]) * len(kv[1])):
         same_shape = sorted(same_shape, key=lambda q: q.label)  # stable: keeps model order per label
-        if any((q.label == "gate") != (same_shape[0].label == "gate") for q in same_shape):
-            raise ValueError(f"NorMuon: gates and matrices share the shape {shape}; give them different shapes")
         parts = 2 if len(same_shape) >= 2 * world_size else 1
         chunk = -(-len(same_shape) // (parts * world_size))
         groups += [same_shape[start: start + chunk * world_size] for start in range(0, len(same_shape), chunk * world_size)]
@@ -1528,7 +2146,7 @@ def gather_chunks(local, world_size):
 
 
 def label_runs(labels):
-    """[(label, start, stop)] for the maximal runs of equal consecutive labels."""
+    """[(label, start, stop)] for the maximal runs of equal consecutive labels (or other values)."""
     runs = []
     for i, label in enumerate(labels):
         if runs and runs[-1][0] == label:
@@ -1542,8 +2160,6 @@ def normuon_direction(stack, second_moment, pieces, reduce_dim, beta2, polar):
     """Polar Express, then variance normalization, of a (n, rows, cols) stack of one kind of matrix,
     each matrix treated as `pieces` row blocks of its own (second_moment is updated in place)."""
     n, rows, cols = stack.shape
-    if pieces > 1 and reduce_dim != -1:
-        raise ValueError("NorMuon: split matrices must be normalized per row")
     update = polar_express(stack.reshape(n * pieces, rows // pieces, cols), **polar)
     moment = second_moment.view(n * pieces, -1, second_moment.size(-1))
     return normalize_variance(update, moment, reduce_dim, beta2).view(n, rows, cols)
@@ -1582,16 +2198,32 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class DistAdam(ScheduledOptimizer):
-    """ZeRO-1 Adam: each rank keeps bf16 moments for its slice of dim 0 of every parameter. A first
-    dimension that does not divide by the world size is padded with zero rows in the communication
-    buffers and the moments (the parameter keeps its shape). step() starts every parameter's
-    reduce-scatter (AVG), then per parameter waits, updates its slice and all-gathers it.
+    """ZeRO-1 Adam: each rank keeps the moments (in `state_dtype`) of its slice of dim 0 of every
+    parameter. A first dimension that does not divide by the world size is padded with zero rows in the
+    communication buffers and the moments (the parameter keeps its shape). step() starts every
+    parameter's reduce-scatter (AVG), then per parameter waits, updates its slice and all-gathers it.
+    A parameter's own betas (tag) replace `betas`. Cautious decay where update x weight >= 0, or > 0
+    with strict_mask. `tie` = (head, embedding): until untie(), the embedding's gradient joins the
+    head's, and the embedding is a copy of the updated head.
     """
 
-    def __init__(self, params, lr, betas, eps, weight_decay):
+    def __init__(self, params, lr, betas, eps, weight_decay, state_dtype="bf16", strict_mask=False, tie=None):
         self.rank, self.world_size = world_info()
-        self.param_groups = [dict(params=[p], lr=lr, initial_lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                  step=0, exp_avg=None, exp_avg_sq=None) for p in params]
+        self.state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
+        self.strict_mask, self.tie, self.tied = strict_mask, tie, tie is not None
+        self.param_groups = [dict(params=[p], lr=lr, initial_lr=lr, betas=getattr(p, "betas", None) or betas, eps=eps,
+                                  weight_decay=weight_decay, step=0, exp_avg=None, exp_avg_sq=None) for p in params]
+
+    def untie(self):
+        """From now on the embedding trains on its own, from the head's weights and Adam state."""
+        head, embed = (self._group_of(p) for p in self.tie)
+        embed["step"] = head["step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            embed[key] = None if head[key] is None else head[key].clone()
+        self.tied = False
+
+    def _group_of(self, p):
+        return next(group for group in self.param_groups if group["params"][0] is p)
 
     def _padded(self, t):
         """t with zero rows appended up to a multiple of the world size (t itself if none are needed)."""
@@ -1613,9 +2245,14 @@ class DistAdam(ScheduledOptimizer):
 
     @torch.no_grad()
     def step(self):
-        pending = [self._reduce(group["params"][0]) for group in self.param_groups]
+        groups = self.param_groups
+        if self.tied:
+            head, embed = self.tie
+            head.grad += embed.grad
+            groups = [group for group in groups if group["params"][0] is not embed]
+        pending = [self._reduce(group["params"][0]) for group in groups]
         gathers = []
-        for group, (grad, handle) in zip(self.param_groups, pending):
+        for group, (grad, handle) in zip(groups, pending):
             p = group["params"][0]
             if handle is not None:
                 handle.wait()
@@ -1631,26 +2268,29 @@ class DistAdam(ScheduledOptimizer):
             handle.wait()
             if full is not p:
                 p.copy_(full[: p.shape[0]])
+        if self.tied:
+            embed.copy_(head)
 
     def _adam_update(self, group, grad, weight, p):
-        """The reference's Adam step with cautious decay, in fp32 (moments stored in bf16); `weight` is
-        an fp32 copy of this rank's slice and is updated in place."""
+        """The reference's Adam step with cautious decay, in fp32 (moments stored in state_dtype);
+        `weight` is an fp32 copy of this rank's slice and is updated in place."""
         beta1, beta2 = group["betas"]
         if group["exp_avg"] is None:
-            group["exp_avg"] = torch.zeros_like(weight, dtype=torch.bfloat16)
-            group["exp_avg_sq"] = torch.zeros_like(weight, dtype=torch.bfloat16)
+            group["exp_avg"] = torch.zeros_like(weight, dtype=self.state_dtype)
+            group["exp_avg_sq"] = torch.zeros_like(weight, dtype=self.state_dtype)
         group["step"] += 1
         t = group["step"]
         lr = group["lr"] * p.lr_mul  # the parameter's own learning rate
-        exp_avg = ema_(group["exp_avg"].float(), grad, beta1)
-        exp_avg_sq = ema_square_(group["exp_avg_sq"].float(), grad, beta2)
+        exp_avg = ema_(group["exp_avg"].to(torch.float32, copy=True), grad, beta1)
+        exp_avg_sq = ema_square_(group["exp_avg_sq"].to(torch.float32, copy=True), grad, beta2)
         group["exp_avg"].copy_(exp_avg)
         group["exp_avg_sq"].copy_(exp_avg_sq)
         # unlike adam_direction, eps is added to the uncorrected sqrt(v) and both bias corrections live in
         # the step size, as in the reference
         step_size = lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t))
         update = exp_avg.div_(exp_avg_sq.sqrt_().add_(group["eps"])).mul_(step_size)
-        mask = (update * weight) >= 0  # cautious: decay only where the update agrees with the weight's sign
+        # cautious: decay only where the update agrees with the weight's sign
+        mask = (update * weight) > 0 if self.strict_mask else (update * weight) >= 0
         # decay factor lr * (lr * wd * wd_mul): it follows the square of the parameter's own lr (an
         # absurd lr saturates the factor instead of raising, so the run stops with the non-finite-loss hint)
         update.addcmul_(weight, mask, value=min(lr * group["weight_decay"] * p.wd_mul * lr, FLOAT32_MAX))
@@ -1666,13 +2306,14 @@ class DistAdam(ScheduledOptimizer):
                 entry[key] = None if group[key] is None else \
                     gather_chunks(group[key], self.world_size)[:rows].cpu().clone()
             groups.append(entry)
-        return {"groups": groups}
+        return {"groups": groups, "tied": self.tied}
 
     def load_state_dict(self, state):
         if len(state["groups"]) != len(self.param_groups) or any(
                 entry[key] is not None and entry[key].shape != group["params"][0].shape
                 for group, entry in zip(self.param_groups, state["groups"]) for key in ("exp_avg", "exp_avg_sq")):
             raise ValueError("DistAdam state does not match the parameters of this model")
+        self.tied = state["tied"] and self.tie is not None
         for group, entry in zip(self.param_groups, state["groups"]):
             group["step"] = entry["step"]
             p = group["params"][0]
@@ -1681,9 +2322,10 @@ class DistAdam(ScheduledOptimizer):
 
 
 def split_params_for_optimizers(model):
-    """NorMuon: hidden matrices and gates. DistAdam, in order: head/embedding, value embeddings, scalars."""
-    muon = [p for p in model.parameters() if p.label in ("attn", "mlp", "gate")]
-    adam = [model.lm_head.weight, *model.value_embeds, model.scalars]
+    """(the matrix optimizer's parameters, DistAdam's), each in model order, as the model tagged them:
+    hidden matrices and (unless given to DistAdam) gates; embeddings, head and scalars."""
+    muon = [p for p in model.parameters() if getattr(p, "optimizer", None) == "matrix"]
+    adam = [p for p in model.parameters() if getattr(p, "optimizer", None) == "adam"]
     covered = [id(p) for p in muon + adam]
     if sorted(covered) != sorted(id(p) for p in model.parameters()) or len(set(covered)) != len(covered):
         raise AssertionError("optimizer parameter sets must cover every model parameter exactly once")
@@ -1694,21 +2336,26 @@ def make_optimizers(model, hp):
     """(matrix optimizer, DistAdam) for the model's parameters. The matrix optimizer is NorMuon (the
     record; its Polar Express takes the fp32 torch path on a CPU) or a track-3 optimizer."""
     matrix_params, adam_params = split_params_for_optimizers(model)
-    adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd)
+    embed = getattr(model, "embed", None)
+    adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd, hp.adam_state_dtype,
+                    hp.adam_cautious_mask == "strict", tie=None if embed is None else (model.lm_head.weight, embed))
     if hp.matrix_optimizer != "normuon":
         return make_track3_optimizer(hp.matrix_optimizer, matrix_params, hp), adam
     on_cpu = model.lm_head.weight.device.type == "cpu"
     return NorMuon(matrix_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2,
-                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS), adam
+                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS, lr_rule=hp.muon_lr_rule), adam
 
 
-def step_optimizers(step, matrix_opt, adam):
-    """The matrix optimizer every step; DistAdam on odd steps (its gradients accumulate over two steps)."""
+def step_optimizers(step, matrix_opt, adam, untie_at=None):
+    """The matrix optimizer every step; DistAdam on odd steps (its gradients accumulate over two steps),
+    untying the embedding from the head after the step `untie_at`."""
     matrix_opt.step()
     matrix_opt.zero_grad()
     if adam_steps_at(step):
         adam.step()
         adam.zero_grad()
+        if step == untie_at:
+            adam.untie()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1823,7 +2470,7 @@ class BlockOptimizer(ScheduledOptimizer):
         self.param_groups = [dict(params=self.params, lr=lr, initial_lr=lr, betas=betas, weight_decay=weight_decay)]
         self.blocks = []
         for index, p in enumerate(self.params):
-            pieces = 4 if p.label == "attn" else 1
+            pieces = p.pieces
             height = p.shape[0] // pieces
             for piece in range(pieces):
                 rows = slice(piece * height, (piece + 1) * height)
@@ -2080,17 +2727,47 @@ def make_track3_optimizer(name, params, hp):
     return cls(params, **{argument: getattr(hp, flag) for argument, flag in flags.items()})
 
 # ----------------------------------------------------------------------------------------------
-# Schedules: everything that changes with the step (record: 1995 scheduled steps in thirds + 40 extension)
+# Schedules: everything that changes with the step (record: 1380 scheduled steps in thirds + 10 extension)
 
 
-# The float expressions below follow the reference recipe's schedule functions operation for
+# The float expressions below follow the reference recipes' schedule functions operation for
 # operation, so every step gets bit-identical values (e.g. int(3 * (step / n)), not 3 * step // n).
+
+
+def stage_ends(hp):
+    """Where the thirds end under --schedule_rule boundaries: round(n k/3) with k/3 summed in floats."""
+    n, ends, fraction = hp.num_scheduled_iterations, [], 0.0
+    for _ in range(2):
+        fraction += 1 / 3
+        ends.append(round(fraction * n))
+    return ends + [n]
 
 
 def stage_at(step, hp):
     """0, 1, 2 for the thirds of the scheduled steps, 3 for the extension."""
     n = hp.num_scheduled_iterations
-    return 3 if step >= n else int(3 * (step / n))
+    if step >= n:
+        return 3
+    if hp.schedule_rule == "boundaries":
+        return next(stage for stage, end in enumerate(stage_ends(hp)) if step < end)
+    return int(3 * (step / n))
+
+
+def stage_starts(hp):
+    """The first step of stages 0-3 and the run's end (a stage of a very short run may be empty)."""
+    total = hp.num_scheduled_iterations + hp.num_extension_iterations
+    steps = sorted(_stage_start_candidates(hp) | {total})
+    return [next(t for t in steps if t == total or stage_at(t, hp) >= stage) for stage in range(4)] + [total]
+
+
+def stage_span(stage, hp):
+    """(first step, first step of the next stage) of a stage."""
+    starts = stage_starts(hp)
+    return starts[stage], starts[stage + 1]
+
+
+def max_seq_len_at(step, hp):
+    return hp.first_stage_max_seq_len if hp.first_stage_max_seq_len and stage_at(step, hp) == 0 else hp.max_seq_len
 
 
 def batch_size_at(step, hp):
@@ -2109,10 +2786,19 @@ def final_window_blocks(hp):
 
 
 def lr_multiplier_at(step, hp):
-    """Stage multiplier (it switches only once progress is strictly past 1/3 and 2/3, one step after
-    the batch size does), then a linear cooldown over the last cooldown_frac of the scheduled steps
-    to final_lr_multiplier, which also holds during the extension."""
+    """Stage multiplier, then a linear cooldown over the last cooldown_frac of the scheduled steps to
+    final_lr_multiplier, which also holds during the extension. Under --schedule_rule boundaries the
+    multiplier switches with the batch size and the cooldown runs from step int(n (1 - frac)); under
+    progress only once progress is strictly past 1/3 and 2/3 (one step after the batch size does),
+    with the cooldown weight computed from the progress."""
     n = hp.num_scheduled_iterations
+    if hp.schedule_rule == "boundaries":
+        multiplier = (*hp.lr_multipliers, hp.lr_multipliers[-1])[stage_at(step, hp)]
+        cooldown_start = int(n * (1 - hp.cooldown_frac))
+        if step >= cooldown_start:
+            t = min(1.0, (step - cooldown_start) / (n - cooldown_start)) if n > cooldown_start else 1.0
+            multiplier = multiplier * (1 - t) + hp.final_lr_multiplier * t
+        return multiplier
     if step > n:
         return hp.final_lr_multiplier
     progress = step / n
@@ -2143,10 +2829,41 @@ def adam_steps_at(step):
     return step % 2 == 1
 
 
+def multi_token_prediction(hp):
+    """Whether the loss weighs tokens beyond the next one at any stage (else: the plain next-token loss)."""
+    return any(w for k, w in enumerate(hp.mtp_weights_start + hp.mtp_weights_end) if k % MTP_HORIZON)
+
+
+def mtp_weights_at(step, hp):
+    """The loss weights of the next 3 tokens at `step`: linear within each stage from its start to its
+    end values; the extension (and the final step) keep the last stage's end values."""
+    stage = stage_at(step, hp)
+    if stage == 3:
+        return hp.mtp_weights_end[-MTP_HORIZON:]
+    first, following = stage_span(stage, hp)
+    t = (step - first) / (following - first)
+    starts = hp.mtp_weights_start[MTP_HORIZON * stage: MTP_HORIZON * (stage + 1)]
+    ends = hp.mtp_weights_end[MTP_HORIZON * stage: MTP_HORIZON * (stage + 1)]
+    return tuple(a + (b - a) * t for a, b in zip(starts, ends))
+
+
+def untie_step(hp):
+    """The step after whose optimizer step the embedding leaves the head: the first odd step of
+    --untie_stage (an Adam step, which still updates them tied); None if they stay tied."""
+    return None if hp.untie_stage < 0 else stage_span(hp.untie_stage, hp)[0] | 1
+
+
 def stage_first_steps(hp):
     """The first step of every stage (what the compile warm-up visits)."""
     total = hp.num_scheduled_iterations + hp.num_extension_iterations
-    return [s for s in range(total) if s == 0 or stage_at(s, hp) != stage_at(s - 1, hp)]
+    return sorted(s for s in _stage_start_candidates(hp)
+                  if 0 <= s < total and (s == 0 or stage_at(s, hp) != stage_at(s - 1, hp)))
+
+
+def _stage_start_candidates(hp):
+    """A stage starts within two steps of k n / 3 under either rule: only those steps are looked at."""
+    n = hp.num_scheduled_iterations
+    return {0, n} | {s for k in (1, 2) for s in range(max(0, k * n // 3 - 2), k * n // 3 + 3)}
 
 
 def apply_schedule(step, hp, model, *optimizers):
@@ -2421,8 +3138,9 @@ class RunStats:
 def model_flops_per_token(model, hp):
     """6 x (matmul weights: blocks + head) for forward+backward, plus attention's 12 x layers x hdim x
     mean keys per query (half the average long/short window of the last stage). Embedding lookups are free."""
-    matmul = sum(p.numel() for p in model.parameters() if p.label in ("attn", "mlp")) + model.lm_head.weight.numel()
-    attn_layers = sum(block.attn is not None for block in model.blocks)
+    matmul = sum(p.numel() for p in model.parameters() if p.label in ("attn", "attn_qk", "attn_vo", "mlp")) + \
+        model.lm_head.weight.numel()
+    attn_layers = hp.num_layers - 1  # one layer has no attention (a paired layer's doubled stream costs the same)
     keys = 0.75 * hp.window_blocks[-1] * hp.window_block_tokens / 2
     return 6 * matmul + 12 * attn_layers * hp.num_heads * hp.head_dim * keys
 
@@ -2502,7 +3220,7 @@ class Trainer:
             self.log(f"data: {data_description}")
             self.val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
             self.loader = TrainLoader(train_pattern, self.rank, self.world_size, self.device, hp.cycle_data,
-                                      vocab_size=hp.vocab_size)
+                                      vocab_size=hp.vocab_size, bigram_rows=hp.bigram_vocab_size)
             per_micro_step = max(hp.batch_sizes) // self.accum + self.world_size  # one micro-step comes from one shard
             if per_micro_step > max(self.loader.shard_tokens):
                 raise DataError(f"--batch_sizes {max(hp.batch_sizes)} takes {per_micro_step} tokens per micro-step from one "
@@ -2512,16 +3230,21 @@ class Trainer:
             if self.resume_from is not None:
                 check_resumable(hp.resume, self.resume_from, hp, self.total_steps)
         torch.manual_seed(hp.seed)
-        self.model = build_model(hp, self.device)
+        self.model = build_model(hp, self.device, self.accum)
         if self.world_size > 1:
-            for p in self.model.parameters():
-                dist.broadcast(p.data, 0)
+            for t in (*self.model.parameters(), *self.model.buffers()):  # buffers: the bigram signs
+                dist.broadcast(t.data, 0)
+        self.fp8_mlp = getattr(self.model, "fp8_mlp", None)
         self.matrix_opt, self.adam = make_optimizers(self.model, hp)
         self.forward = self.model
         if self.device.type == "cuda" and hp.compile:
             torch._dynamo.config.cache_size_limit = 64
             self.forward = torch.compile(self.model, dynamic=False, fullgraph=True)
         self.windows = window_tensors(hp, self.device)
+        self.untie_at = untie_step(hp)
+        # every step's multi-token weights as one device tensor, indexed without a host-device copy
+        self.mtp_weights = torch.tensor([mtp_weights_at(step, hp) for step in range(self.total_steps + 1)],
+                                        device=self.device) if multi_token_prediction(hp) else None
         self.stats = RunStats(self.device)
         self.profiler = StepProfiler(hp, self.run_id, self.total_steps, self.log)
         self.step, self.training_time_ms, self.tokens_seen = 0, 0.0, 0
@@ -2537,15 +3260,19 @@ class Trainer:
         tensor (reading it waits for the GPU); no host-device synchronization happens inside."""
         rank_tokens = tokens_per_rank(batch_size, self.world_size, self.accum)
         self.model.train()
+        mtp = None if self.mtp_weights is None else self.mtp_weights[step]
         total = torch.zeros((), device=self.device)
         for _ in range(self.accum):
-            inputs, targets, cu_seqlens = self.loader.next_batch(rank_tokens, self.hp.max_seq_len)
-            loss = self.forward(inputs, targets, cu_seqlens, self.windows[windows]) / self.accum
+            batch = self.loader.next_batch(rank_tokens, max_seq_len_at(step, self.hp))
+            loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, self.windows[windows], batch.bigram_ids,
+                                mtp) / self.accum
             loss.backward()
             total += loss.detach()
         if self.world_size > 1:
             dist.all_reduce(total)  # a non-finite loss on any rank stops every rank at the same step
-        step_optimizers(step, self.matrix_opt, self.adam)
+        step_optimizers(step, self.matrix_opt, self.adam, self.untie_at)
+        if self.fp8_mlp is not None:
+            self.fp8_mlp.quantize(self.model.layers, bootstrap=step < FP8MLPWeights.BOOTSTRAP_STEPS)
         self.tokens_seen += rank_tokens * self.accum * self.world_size
         return total
 
@@ -2555,8 +3282,9 @@ class Trainer:
         hp = self.hp
         self.model.eval()
         with self.stats.eval_memory():
-            losses = [self.forward(*batch, self.windows[windows]) for batch in validation_batches(
-                self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size, self.accum, self.device)]
+            losses = [self.forward(batch.inputs, batch.targets, batch.cu_seqlens, self.windows[windows], batch.bigram_ids)
+                      for batch in validation_batches(self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank,
+                                                      self.world_size, self.accum, self.device, hp.bigram_vocab_size)]
             loss = torch.stack(losses).mean()
         if self.world_size > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
@@ -2585,6 +3313,8 @@ class Trainer:
         self.step, self.training_time_ms, self.tokens_seen = snap["step"], snap["training_time_ms"], snap["tokens_seen"]
         self.matrix_opt.zero_grad()
         self.adam.zero_grad()
+        if self.fp8_mlp is not None:  # the FP8 copies of the restored weights, at the restored scales
+            self.fp8_mlp.requantize(self.model.layers)
 
     def resume(self, path, snap):
         stale = remove_stale_temp_files(Path(path).parent) if self.rank == 0 else []

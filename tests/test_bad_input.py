@@ -277,8 +277,8 @@ def test_read_only_log_dir(corpus, tmp_path, capsys, monkeypatch):
 def test_non_finite_validation_loss_fails_the_run(corpus, tmp_path, capsys, monkeypatch):
     real = tg.chunked_softcap_cross_entropy
 
-    def nan_in_eval(x, weight, targets, training, use_fp8):
-        loss = real(x, weight, targets, training, use_fp8)
+    def nan_in_eval(x, weight, targets, training, *args):
+        loss = real(x, weight, targets, training, *args)
         return loss if training else loss * float("nan")
 
     monkeypatch.setattr(tg, "chunked_softcap_cross_entropy", nan_in_eval)

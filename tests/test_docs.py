@@ -14,14 +14,19 @@ def _fmt(value):
 
 def test_readme_config_table_matches_dataclass():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    rows = {m.group(1): m for m in re.finditer(r"^\| `--(\w+)` \| `([^`]*)` \| (?:`([^`]*)`)? \|", readme, re.M)}
+    rows = {m.group(1): m for m in re.finditer(r"^\| `--(\w+)` \| `([^`]*)` \| (?:`([^`]*)`)? \| (?:`([^`]*)`)? \|",
+                                              readme, re.M)}
     names = [f.name for f in fields(tg.Hyperparameters)]
     assert sorted(rows) == sorted(names), "README table and Hyperparameters list different flags"
     for f in fields(tg.Hyperparameters):
         row = rows[f.name]
         assert row.group(2) == _fmt(f.default), f"README default of --{f.name} is stale"
-        cpu = tg.PRESETS["cpu"].get(f.name)
+        cpu, retie = tg.PRESETS["cpu"]["89"].get(f.name), tg.RECIPES["retie"].get(f.name)
         assert row.group(3) == (None if cpu is None else _fmt(cpu)), f"README cpu preset value of --{f.name} is stale"
+        assert row.group(4) == (None if retie is None else _fmt(retie)), f"README retie value of --{f.name} is stale"
+    # what the README says of --preset cpu --recipe retie
+    assert tg.PRESETS["cpu"]["retie"] == dict(tg.CPU_COMMON, lr_multipliers=(1.0, 1.28, 1.52))
+    assert "`--preset cpu --recipe retie` is the previous `cpu` preset" in readme
 
 
 def test_help_lists_every_field_with_default(capsys, monkeypatch):

@@ -36,7 +36,7 @@ def _small_model(vocab=1024, layers=9, seed=0, block_tokens=16, randomize=True):
     value embeddings, gates, smear/x0 lambdas): at init they make every position's output depend
     on its own token only, which would make the causality/isolation tests vacuous."""
     torch.manual_seed(seed)
-    model = tg.use_cpu_fallbacks(tg.GPT(vocab, layers, 2, 32, 64, window_block_tokens=block_tokens))
+    model = tg.use_cpu_fallbacks(tg.RetieGPT(vocab, layers, 2, 32, 64, window_block_tokens=block_tokens))
     if randomize:
         g = _gen(seed + 1)
         with torch.no_grad():
@@ -83,7 +83,7 @@ def _logits(model, monkeypatch, inputs, cu_seqlens, windows, attention):
 
 def test_initial_loss_is_log_vocab():
     torch.manual_seed(0)
-    model = tg.use_cpu_fallbacks(tg.GPT(50257, 9, 2, 32, 64)).eval()
+    model = tg.use_cpu_fallbacks(tg.RetieGPT(50257, 9, 2, 32, 64)).eval()
     T = 512
     g = _gen(1)
     inputs = torch.randint(0, 50257, (T,), generator=g, dtype=torch.int32)
@@ -335,7 +335,7 @@ def test_tied_embedding_and_head(monkeypatch):
     # the model output for an unchanged head (embedding use)
     model.eval()
     probe = torch.randn(4, 64, generator=g)
-    head_before = real(probe, W, False)
+    head_before = real(probe, W, None)
     frozen = W.detach().clone()
     monkeypatch.setattr(tg, "head_matmul", lambda x, w, use_fp8: real(x, frozen, use_fp8))
     with torch.no_grad():
@@ -343,7 +343,7 @@ def test_tied_embedding_and_head(monkeypatch):
         W -= 0.5 * full_grad / full_grad.abs().max()
         loss_after = model(inputs, targets, cu, (1, 2))  # head frozen: only the embedding use changed
     monkeypatch.setattr(tg, "head_matmul", real)
-    assert (real(probe, W, False) - head_before).abs().max() > 1e-4
+    assert (real(probe, W, None) - head_before).abs().max() > 1e-4
     assert abs(loss_after.item() - loss_before.item()) > 1e-4
 
 
@@ -381,7 +381,7 @@ def _expected_tag(name):
 
 def test_record_parameter_inventory():
     with torch.device("meta"):
-        model = tg.GPT(**RECORD)
+        model = tg.RetieGPT(**RECORD)
     params = dict(model.named_parameters())
     assert sum(p.numel() for p in params.values()) == _expected_count() == 230_032_139
     for name, p in params.items():
@@ -397,11 +397,11 @@ def test_record_parameter_inventory():
     ids = [id(p) for p in muon + adam]
     assert len(ids) == len(set(ids)) == len(params)
     assert {p.label for p in muon} == {"attn", "mlp", "gate"}
-    assert [p.label for p in adam] == ["lm_head", "value_embed", "value_embed", "value_embed", "scalars"]
+    assert [p.label for p in adam] == ["scalars", "lm_head", "value_embed", "value_embed", "value_embed"]  # model order
 
 
 def test_cpu_preset_split_covers_every_parameter_once():
-    hp = tg.parse_args(["--preset", "cpu"])
+    hp = tg.parse_args(["--preset", "cpu", "--recipe", "retie"])
     model = tg.build_model(hp, torch.device("cpu"))
     muon, adam = tg.split_params_for_optimizers(model)
     ids = [id(p) for p in muon + adam]
@@ -425,7 +425,7 @@ def test_scalars_layout():
     s = tg.initial_scalars(L)
     assert torch.equal(s, torch.tensor(expected))
     # the model's views read the same layout
-    model = tg.GPT(1000, L, 2, 16, 32)
+    model = tg.RetieGPT(1000, L, 2, 16, 32)
     assert torch.equal(model.scalars.detach(), s)
     views = model.scalar_views()
     assert torch.equal(views["resid"], torch.full((L,), 1.1))
@@ -464,7 +464,7 @@ def test_layer_roles_other_depths(layers):
     assert sorted(r.value_embed) == [0, 1, layers - 3, layers - 2, layers - 1]
     assert [r.value_embed[i] for i in sorted(r.value_embed)] == [1, 2, 0, 1, 2]
     with torch.device("meta"):
-        model = tg.GPT(1000, layers, 2, 16, 32)
+        model = tg.RetieGPT(1000, layers, 2, 16, 32)
     assert [i for i, b in enumerate(model.blocks) if b.attn is None] == [r.attn_free]
 
 
@@ -516,10 +516,10 @@ def test_mm_fp8_matches_fp32(w_dtype):
 def test_head_matmul_fp8_path():
     x, w, _ = _fp8_inputs()
     x3 = x.view(4, 16, 128)
-    out = tg.head_matmul(x3, w, True)
+    out = tg.head_matmul(x3, w, tg.HEAD_FP8_SCALES)
     assert out.shape == (4, 16, 256)
     assert _rel(out, x3.float() @ w.T) < 0.05
-    torch.testing.assert_close(tg.head_matmul(x.float(), w, False), x.float() @ w.T)
+    torch.testing.assert_close(tg.head_matmul(x.float(), w, None), x.float() @ w.T)
 
 
 def test_mm_fp8_opcheck():
@@ -583,21 +583,28 @@ def test_fp8_switch_changes_only_precision():
 
 # ------------------------------------------------------------------------------ chunked CPU loss
 
-@pytest.mark.parametrize("T", [300, 100])  # 300: two chunks, the last one partial
-def test_chunked_softcap_loss_matches_autograd(T):
+@pytest.mark.parametrize("loss_kind", ["retie", "multi-token"])
+@pytest.mark.parametrize("T", [600, 100])  # 600: two chunks, the last one partial
+def test_chunked_softcap_loss_matches_autograd(T, loss_kind):
+    """The retie recipe's next-token loss (softcap 30 sigmoid(z / 7.5)) and recipe 89's multi-token
+    loss (23 sigmoid((z + 5) / 7.5), weights of the next 3 tokens; the chunk boundary at 512 and the
+    sequence's end cut horizons short) against float64 autograd of the plain formulas."""
     V, D = 1000, 32
     g = _gen(8)
     x = torch.randn(T, D, generator=g)
     w = torch.randn(V, D, generator=g) * 0.5  # logits ~ +-3 std: the softcap is far from linear
     t = torch.randint(0, V, (T,), generator=g)
+    t[5:8] = t[4]  # the same target for neighbouring horizons: their gradients add at one entry
     assert T % tg.SOFTCAP_CHUNK != 0
+    softcap, mtp = (tg.RETIE_SOFTCAP, None) if loss_kind == "retie" else (tg.Softcap(23.0, 5.0), torch.tensor([1.0, 0.5, 0.25]))
 
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
-    ref = F.cross_entropy(30 * torch.sigmoid(xr @ wr.T / 7.5), t, reduction="sum")
+    z = softcap.scale * torch.sigmoid((xr @ wr.T + softcap.offset) / 7.5)
+    ref = F.cross_entropy(z, t, reduction="sum") if mtp is None else tg.multi_token_loss(z, t, mtp.double())
     ref.backward()
 
     xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = tg.ChunkedSoftcapLoss.apply(xc, wc, t)
+    loss = tg.ChunkedSoftcapLoss.apply(xc, wc, t, softcap, mtp)
     (loss * 2.5).backward()  # the incoming gradient is applied
     # Error model: fp32 sums of 32 (x) or up to 1000 (w) products, each relative error ~2^-24 * sqrt(n)
     # of the gradient's scale; elementwise near-zero entries can be relatively far off, so compare in

@@ -46,7 +46,9 @@ RECIPE_COEFFS = (
 # Toy parameter sets and deterministic per-(rank, step) gradients
 
 def _param(gen, shape, label, lr_mul=1.0, wd_mul=1.0, scale=0.3):
-    return tg.tag(nn.Parameter(torch.randn(shape, generator=gen) * scale), label, lr_mul, wd_mul)
+    """A tagged parameter; "attn" is the retie recipe's merged Q, K, V, O weight: 4 pieces."""
+    return tg.tag(nn.Parameter(torch.randn(shape, generator=gen) * scale), label, lr_mul, wd_mul,
+                  pieces=4 if label == "attn" else 1)
 
 
 def muon_params():
@@ -234,10 +236,14 @@ def test_normuon_matches_single_matrix_reference():
             assert err <= 1e-4 * eta, (step, p.label, tuple(p.shape), err / eta)
 
 
-def test_normuon_rejects_gate_and_matrix_of_one_shape():
+def test_normuon_keeps_a_gate_and_a_wide_matrix_of_one_shape_apart():
+    """A gate is normalized per row, a wide matrix per column: of the same shape, they land in groups of
+    their own, each normalized its way."""
     g = torch.Generator().manual_seed(4)
-    with pytest.raises(ValueError, match="gate"):
-        tg.NorMuon([_param(g, (3, 12), "gate"), _param(g, (3, 12), "mlp")], **MUON_HP)
+    gate, wide = _param(g, (3, 12), "gate"), _param(g, (3, 12), "mlp")
+    muon = tg.NorMuon([gate, wide], **MUON_HP)
+    assert sorted(len(group["params"]) for group in muon.param_groups) == [1, 1]
+    assert {group["params"][0].label: group["reduce_dim"] for group in muon.param_groups} == {"gate": -1, "mlp": -2}
 
 
 def test_distadam_matches_reference_adam_and_steps_on_odd_steps_only():
@@ -481,8 +487,7 @@ def _check_coverage(model, hp):
     assert sorted(id(p) for p in owned) == sorted(model_ids)  # every parameter exactly once
     assert len(set(map(id, owned))) == len(owned) == len(model_ids)
     assert {p.label for g in muon.param_groups for p in g["params"]} <= {"attn", "mlp", "gate"}
-    # DistAdam order: lm_head, value embeddings, scalars
-    assert [g["params"][0].label for g in adam.param_groups] == ["lm_head"] + ["value_embed"] * 3 + ["scalars"]
+    assert [g["params"][0].label for g in adam.param_groups] == ["scalars", "lm_head"] + ["value_embed"] * 3  # model order
     for g in muon.param_groups:
         rows, cols = g["params"][0].shape
         expected = [math.sqrt(max(1.0, rows / cols)) * p.lr_mul for p in g["params"]]
@@ -492,7 +497,7 @@ def _check_coverage(model, hp):
 
 
 def test_optimizers_cover_record_model_exactly_once():
-    hp = tg.parse_args([])
+    hp = tg.parse_args(["--recipe", "retie"])
     with torch.device("meta"):
         model = tg.build_model(hp, torch.device("meta"))
     muon, adam = _check_coverage(model, hp)
@@ -502,12 +507,12 @@ def test_optimizers_cover_record_model_exactly_once():
     assert [[p.label for p in g["params"]].count("attn") for g in big] == [10, 0]
     assert [len(g["params"]) for g in big] == [16, 16]
     assert sorted(p.lr_mul for g in big for p in g["params"]) == [1.0] * 21 + [2.0] * 11  # MLP proj lr_mul 2
-    assert [p.lr_mul for g in adam.param_groups for p in g["params"]] == [1.0, 75.0, 75.0, 75.0, 5.0]
-    assert adam.param_groups[-1]["params"][0].wd_mul == 0.0
+    assert [p.lr_mul for g in adam.param_groups for p in g["params"]] == [5.0, 1.0, 75.0, 75.0, 75.0]
+    assert adam.param_groups[0]["params"][0].wd_mul == 0.0  # the scalars
 
 
 # ----------------------------------------------------------------------------------------------
-# Schedules of the record configuration, expected values by hand (every step is compared
+# Schedules of the retie recipe, expected values by hand (every step is compared
 # with re-implementations of the reference's functions in test_reference_recipe.py)
 #
 # 1995 scheduled steps in thirds of 665: stage 0 = steps 0..664, 1 = 665..1329, 2 = 1330..1994;
@@ -550,7 +555,7 @@ SCHEDULE_TABLE = [
 @pytest.mark.parametrize("row", SCHEDULE_TABLE, ids=[f"step{r[0]}" for r in SCHEDULE_TABLE])
 def test_record_schedule_table(row):
     step, stage, batch, windows, lr_mul, momentum, adam = row
-    hp = tg.parse_args([])
+    hp = tg.parse_args(["--recipe", "retie"])
     assert tg.stage_at(step, hp) == stage
     assert tg.batch_size_at(step, hp) == batch
     assert tg.window_blocks_at(step, hp) == windows
@@ -560,7 +565,7 @@ def test_record_schedule_table(row):
 
 
 def test_record_schedule_spot_values():
-    hp = tg.parse_args([])
+    hp = tg.parse_args(["--recipe", "retie"])
     # the hand-derived cooldown values above, as decimals
     assert tg.lr_multiplier_at(898, hp) == pytest.approx(1.5096787, abs=1e-7)
     assert tg.lr_multiplier_at(1329, hp) == pytest.approx(0.9558305, abs=1e-7)

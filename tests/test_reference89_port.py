@@ -205,6 +205,7 @@ def base():
     return W, forward(W)[1]
 
 
+@pytest.mark.slow
 def test_each_idea_changes_the_logits(base):
     W, logits = base
     scale = logits.abs().max().item()
@@ -216,12 +217,14 @@ def test_each_idea_changes_the_logits(base):
     assert not quiet, quiet
 
 
+@pytest.mark.slow
 def test_unused_parameters_do_not_change_the_logits(base):
     W, logits = base
     for idea, (name, index, value) in UNUSED.items():
         assert torch.equal(forward(_edit(W, name, index, value))[1], logits), idea
 
 
+@pytest.mark.slow
 def test_lambdas_are_rounded_to_bf16():
     W = ref.ref_random_weights(CFG, 0)
     logits = forward(W)[1]
@@ -233,6 +236,7 @@ def test_lambdas_are_rounded_to_bf16():
     assert not torch.equal(forward(nudged)[1], logits)
 
 
+@pytest.mark.slow
 def test_stage_windows_and_yarn_change_the_logits():
     W = ref.ref_random_weights(CFG, 0)
     a = forward(W, windows=(16, 32))[1]
@@ -386,6 +390,7 @@ def _bank(seed, zero_proj=False):
     return b.to(torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_fp8_scales_bootstrap_then_delayed():
     banks = [_bank(0, zero_proj=True)] + [_bank(s + 1) for s in range(19)]
     g = torch.Generator().manual_seed(5)
@@ -426,6 +431,7 @@ def test_fp8_activation_scaling_and_clamp():
     assert clamped > 2 * second and err(state.mlp(0, x), bigger) < 0.08
 
 
+@pytest.mark.slow
 def test_fp8_forward_and_head_stay_near_float64():
     W = ref.ref_random_weights(CFG, 0)
     state = ref.RefFP8MLP()

@@ -29,7 +29,8 @@ def params():
     """An attention weight (4 blocks of D x D), an MLP weight, a wide matrix larger than MAX_DIM
     (split into blocks), a (3, 12) gate and a (1, 12) gate (a 1-D block)."""
     g = torch.Generator().manual_seed(1)
-    make = lambda shape, label: tg.tag(nn.Parameter(torch.randn(shape, generator=g) * 0.3), label)  # noqa: E731
+    make = lambda shape, label: tg.tag(nn.Parameter(torch.randn(shape, generator=g) * 0.3), label,  # noqa: E731
+                                       pieces=4 if label == "attn" else 1)
     return [make((4 * D, D), "attn"), make((3 * D, D), "mlp"), make((12, 20), "mlp"), make((3, 12), "gate"),
             make((1, 12), "gate")]
 
@@ -129,9 +130,9 @@ def test_load_balancer_on_skewed_sizes():
 
 
 def test_communication_never_exceeds_normuons_for_the_record_model(monkeypatch):
-    hp = tg.parse_args([])
+    hp = tg.parse_args(["--recipe", "retie"])
     with torch.device("meta"):
-        model = tg.GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim)
+        model = tg.RetieGPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim)
     matrix_params, _ = tg.split_params_for_optimizers(model)
     for world in (2, 4, 8):
         monkeypatch.setattr(tg, "world_info", lambda: (0, world))
@@ -224,7 +225,8 @@ def square_params():
     precisions may pick different bases of a repeated eigenspace (Adam is not rotation invariant):
     square blocks with full-rank random gradients (non-square blocks and vectors have null spaces)."""
     g = torch.Generator().manual_seed(2)
-    make_p = lambda shape, label: tg.tag(nn.Parameter(torch.randn(shape, generator=g) * 0.3), label)  # noqa: E731
+    make_p = lambda shape, label: tg.tag(nn.Parameter(torch.randn(shape, generator=g) * 0.3), label,  # noqa: E731
+                                         pieces=4 if label == "attn" else 1)
     return [make_p((4 * D, D), "attn"), make_p((2 * D, 2 * D), "mlp"), make_p((D, D), "mlp")]
 
 
