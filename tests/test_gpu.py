@@ -203,7 +203,7 @@ def test_one_train_step_with_both_optimizers(tmp_path):
             "--train_files", str(folder / "synthetic_train_*.bin"), "--val_files", str(folder / "synthetic_val_*.bin")]
     trainer = tg.Trainer(tg.parse_args(argv), argv)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    losses = [trainer.train_step(step, *trainer.schedule(step)).item() for step in range(2)]  # NorMuon twice, DistAdam once
+    losses = [trainer.train_step(step, *trainer.schedule(step))[0].item() for step in range(2)]  # NorMuon twice, DistAdam once
     trainer.loader.close()
     assert all(math.isfinite(l) for l in losses), losses
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
