@@ -11,6 +11,7 @@ does nothing else; main() runs only under __main__.
 """
 
 import argparse
+import ast
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -25,8 +26,10 @@ import os
 import platform
 import re
 import resource
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field, fields
@@ -181,7 +184,7 @@ class Hyperparameters:
     log_dir: str = hp_field("logs", "folder for logs, profiler traces and checkpoints")
     save_every: int = hp_field(0, "write a resumable checkpoint every N steps (even N; 0: never)")
     save_checkpoint: bool = hp_field(False, "write a checkpoint at the end of the run")
-    resume: str = hp_field("", "checkpoint to resume from")
+    resume: str = hp_field("", "checkpoint to resume from, or auto: the newest sound one of --run_id (none: start fresh)")
     force: bool = hp_field(False, "resume even if the checkpoint was written by a different script or with other training settings")
     profile: str = hp_field("", "START:END steps to record with the PyTorch profiler (Chrome trace next to the log)")
     cpu_threads: int = hp_field(0, "torch threads per process on CPU (0: cores / local processes)")
@@ -357,6 +360,9 @@ def check_hyperparameters(hp):
         raise ConfigError(f"--fp8 must be auto, on or off, got {hp.fp8!r}")
     if hp.profile and not _parse_profile_range(hp.profile):
         raise ConfigError(f"--profile must look like START:END with 0 <= START < END, got {hp.profile!r}")
+    if hp.resume == "auto" and not hp.run_id:
+        raise ConfigError("--resume auto needs --run_id (it finds the run's checkpoints and log by it); pass the same "
+                          "--run_id to every start of the run")
     if hp.run_id and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", hp.run_id):
         raise ConfigError(f"--run_id may hold letters, digits, '.', '_' and '-', not first (it names a file), got {hp.run_id!r}")
     layer_roles_of(hp)  # raises ConfigError for depths and layer lists without a valid layout
@@ -2883,6 +2889,9 @@ SEPARATOR = "=" * 100
 CHECKPOINT_MAGIC = b"SPEEDRUN-CKPT-1\n"
 CHECKPOINT_KEYS = {"step", "training_time_ms", "tokens_seen", "model", "matrix", "adam", "loader", "rng", "script_sha256",
                    "world_size", "hyperparameters"}
+# A run stopped by SIGTERM/SIGUSR1 after writing its checkpoint exits with EX_TEMPFAIL of sysexits.h
+# ("try again later"): not 0 (the run is not done), not 1 (a crash) or 2 (bad input).
+PREEMPTED_EXIT_CODE = 75
 # Dense bf16 peak FLOP/s assumed for MFU (vendor figures, no sparsity), by device-name substring.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
 
@@ -2890,28 +2899,66 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L
 class RunLog:
     """Rank 0 writes lines to stdout and logs/<run_id>.txt; other ranks stay quiet. The log starts
     with the script, a separator, the environment (with the script's sha256, so a log whose script
-    was cut short or edited is detected) and another separator."""
+    was cut short or edited is detected) and another separator. Lines logged before open() wait in
+    memory: a run refused during its setup leaves no log, so its run id stays free."""
 
     def __init__(self, path, enabled):
-        self.path, self.enabled = path, enabled
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.enabled, self.waiting = path, enabled, []
+
+    def open(self, continuing=False):
+        """Create the log, exclusively (two runs never share or overwrite one), or append to it when
+        the run continues its own log (--resume auto); then write the lines that waited."""
+        if not self.enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not continuing:
             try:
-                f = path.open("x", encoding="utf-8")  # exclusive: two runs never share (or overwrite) a log
+                f = self.path.open("x", encoding="utf-8")
             except FileExistsError:
-                raise ConfigError(f"{path} exists: the run id {path.stem!r} is taken; pass another --run_id "
-                                  f"(or none for a fresh one)") from None
-            with f:
-                f.write(script_source())
-                f.write(f"{SEPARATOR}\n{environment_report()}script_sha256 {script_sha256()}\n{SEPARATOR}\n")
+                raise ConfigError(run_id_taken(self.path)) from None
+            try:
+                with f:
+                    f.write(script_source())
+                    f.write(f"{SEPARATOR}\n{environment_report()}script_sha256 {script_sha256()}\n{SEPARATOR}\n")
+            except BaseException as e:  # (a full disk, a stop signal, Ctrl-C)
+                self.path.unlink(missing_ok=True)  # a cut header would take the run id and record nothing
+                raise naming_file(e, self.path) if isinstance(e, OSError) else e
+        waiting, self.waiting = self.waiting, None
+        for line, console in waiting:
+            self(line, console)
 
     def __call__(self, line, console=True):
         if not self.enabled:
             return
+        if self.waiting is not None:
+            self.waiting.append((line, console))
+            return
         if console:
             print(line, flush=True)
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        self._append(line)
+
+    def _append(self, line):
+        try:
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        except OSError as e:
+            raise naming_file(e, self.path) from None
+
+    def record_ending(self, line):
+        """Append the line that ends a failed or stopped run, if the log is open and can still be written."""
+        if self.enabled and self.waiting is None:
+            with contextlib.suppress(OSError):
+                self._append(line)
+
+
+def run_id_taken(path):
+    return (f"{path} exists: the run id {path.stem!r} is taken; pass another --run_id (or none for a fresh one), "
+            f"or --resume auto to continue that run")
+
+
+def naming_file(error, path):
+    """`error` with `path` as its file name when it has none (a write to a full disk names no file)."""
+    return error if error.filename or error.errno is None else OSError(error.errno, error.strerror, str(path))
 
 
 def environment_report():
@@ -2942,7 +2989,10 @@ def save_checkpoint(path, payload):
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
-    write_atomically(Path(path), CHECKPOINT_MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
+    try:
+        write_atomically(Path(path), CHECKPOINT_MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
+    except OSError as e:
+        raise naming_file(e, path) from None
 
 
 def load_checkpoint(path):
@@ -2966,6 +3016,29 @@ def load_checkpoint(path):
     return snap
 
 
+def saved_checkpoints(folder):
+    """The checkpoints of a run's folder (step_NNNNNN.pt from --save_every or a stop signal, final.pt),
+    newest first."""
+    found = [(math.inf if m[0] == "final" else int(m[1]), path) for path in Path(folder).glob("*.pt")
+             if (m := re.fullmatch(r"step_(\d+)|final", path.stem))]
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def newest_sound_checkpoint(folder, warn):
+    """(path, snapshot) of the newest checkpoint in `folder` that verifies, each newer one skipped with a
+    warning; (None, None) when there is none. Checkpoints that all fail to verify are an error."""
+    paths = saved_checkpoints(folder)
+    for path in paths:
+        try:
+            return path, load_checkpoint(path)
+        except DataError as e:
+            warn(f"warning: {e} (--resume auto skips it)")
+    if paths:
+        raise DataError(f"none of the {len(paths)} checkpoints in {folder} verifies; pass --resume with a sound one, "
+                        f"or move them away to start the run afresh")
+    return None, None
+
+
 # Settings that may differ when resuming: they do not change the training trajectory.
 RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force", "profile", "cpu_threads",
                      "val_loss_every", "warmup_steps", "device", "compile", "fp8", "seed", "train_files", "val_files",
@@ -2976,6 +3049,11 @@ MODEL_SHAPE_FLAGS = ("vocab_size", "num_layers", "num_heads", "head_dim", "model
 def _flags(values, names):
     return ", ".join(f"--{name} {_flag_text(tuple(values[name]) if isinstance(values[name], list) else values[name])}"
                      for name in names)
+
+
+def trajectory_changes(ours, theirs, free=RESUME_FREE_FLAGS):
+    """The settings, other than the `free` ones, in which two runs' hyperparameters differ."""
+    return [name for name in ours if name not in free and ours[name] != theirs.get(name)]
 
 
 def check_resumable(path, snap, hp, total_steps):
@@ -2993,10 +3071,143 @@ def check_resumable(path, snap, hp, total_steps):
         return
     if snap["script_sha256"] != script_sha256():
         raise ConfigError(f"{path} was written by a different train_gpt.py; pass --force to resume anyway")
-    changed = [name for name in ours if name not in RESUME_FREE_FLAGS and ours[name] != theirs.get(name)]
+    changed = trajectory_changes(ours, theirs)
     if changed:
         raise ConfigError(f"{path} was written with {_flags(theirs, changed)} but this run has {_flags(ours, changed)}; "
                           f"pass the same settings, or --force to continue with the new ones")
+
+
+def check_log_continues(path, hp, total_steps):
+    """For --resume auto with an existing log: continue it only if it is this run's own, i.e. written by
+    this very script with the same trajectory settings and seed, and the run has not finished; otherwise
+    the run id belongs to another run and is refused as taken."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    head = script_source() + SEPARATOR + "\n"
+    if not text.startswith(head):
+        raise ConfigError(f"{path} was written by a different train_gpt.py: the run id {path.stem!r} is taken by "
+                          f"another run; pass another --run_id")
+    output = text[len(head):].split(SEPARATOR + "\n", 1)[-1]  # after the environment report
+    recorded = next((line for line in output.splitlines() if line.startswith("hyperparameters: ")), "")
+    try:
+        theirs = ast.literal_eval(recorded.partition(": ")[2])
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"{path} records no readable hyperparameters line, so it cannot be told to be this run's: "
+                          f"the run id {path.stem!r} is taken; pass another --run_id") from None
+    ours = dataclasses.asdict(hp)
+    changed = trajectory_changes(ours, theirs, RESUME_FREE_FLAGS - {"seed"})
+    if changed:
+        theirs = {name: theirs.get(name, "(not recorded)") for name in changed}
+        raise ConfigError(f"{path} was written with {_flags(theirs, changed)} but this run has {_flags(ours, changed)}: "
+                          f"the run id {path.stem!r} is taken by another run; pass another --run_id")
+    if re.search(rf"^step:{total_steps}/{total_steps} val_loss:", output, re.M):
+        raise ConfigError(f"{path}: the run {path.stem!r} has finished (its log holds the final validation); pass "
+                          f"another --run_id to train again")
+
+
+def check_outputs(hp, log_path, checkpoint_folder, total_steps):
+    """Rank 0, before any work: the log and checkpoint folders can be written, and the run id is free
+    or (--resume auto) its log is this run's own. Returns whether the run continues that log."""
+    check_writable_folder(log_path.parent, "the log folder", hp.log_dir)
+    check_writable_folder(checkpoint_folder, "the checkpoint folder", hp.log_dir)
+    if hp.resume != "auto" and hp.run_id and saved_checkpoints(checkpoint_folder):
+        raise ConfigError(f"{checkpoint_folder} holds checkpoints of a run with the id {hp.run_id!r}; pass --resume "
+                          f"auto to continue that run, or another --run_id")
+    if not log_path.exists():
+        return False
+    if hp.resume != "auto":
+        raise ConfigError(run_id_taken(log_path))
+    check_log_continues(log_path, hp, total_steps)
+    return True
+
+
+def checkpoint_to_resume(hp, checkpoint_folder, log):
+    """(path, snapshot) to continue from: --resume PATH, or for --resume auto the newest sound checkpoint
+    of the run; (None, None) to start at step 0."""
+    if hp.resume != "auto":
+        return (hp.resume, load_checkpoint(hp.resume)) if hp.resume else (None, None)
+    path, snap = newest_sound_checkpoint(checkpoint_folder, log)
+    if path is None:
+        log(f"--resume auto: no checkpoint in {checkpoint_folder} yet; starting at step 0")
+    return path, snap
+
+
+def check_writable_folder(folder, what, log_dir):
+    """Refuse, before any work, a folder the run could not write into: a path through a file or a device,
+    a symbolic link that resolves nowhere, no write permission. Creates nothing."""
+    existing = Path(folder)
+    while not existing.exists():
+        if existing.is_symlink():
+            raise ConfigError(f"--log_dir {log_dir}: {what} {folder} cannot be made: {existing} is a symbolic link "
+                              f"that resolves nowhere (a loop or a missing target); fix it or pass another --log_dir")
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--log_dir {log_dir}: {what} {folder} cannot be made: {existing} is not a folder; pass "
+                          f"another --log_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--log_dir {log_dir}: cannot write {what} {folder} in {existing} (Permission denied); pass "
+                          f"another --log_dir")
+
+
+# Flags that may differ between the processes of one run (paths and resources of each machine); the
+# shards and the checkpoint step they lead to are compared instead.
+RANK_LOCAL_FLAGS = {"cpu_threads", "device", "log_dir", "profile", "train_files", "val_files", "resume"}
+
+
+def rank_settings(hp, device, train_files, val_files, resume_step):
+    """What every process of a run must agree on: its flags, the script, the device type, the shard names,
+    the step it resumes at."""
+    settings = {f"--{name}": _flag_text(value) for name, value in dataclasses.asdict(hp).items()
+                if name not in RANK_LOCAL_FLAGS}
+    settings.update({"script sha256": script_sha256(), "device type": device.type, "resume step": resume_step,
+                     "training shards": [Path(f).name for f in train_files],
+                     "validation shards": [Path(f).name for f in val_files]})
+    return settings
+
+
+def first_rank_difference(everyone):
+    """One line naming the first setting in which a rank differs from rank 0 (None if none does)."""
+    for rank, theirs in enumerate(everyone[1:], 1):
+        for key, ours in everyone[0].items():
+            value = theirs.get(key)
+            if value == ours:
+                continue
+            if isinstance(ours, list) and isinstance(value, list):
+                i = next((i for i, (a, b) in enumerate(zip(value, ours)) if a != b), min(len(value), len(ours)))
+                names = [names[i] if i < len(names) else "none" for names in (value, ours)]
+                what = f"rank {rank}'s {key} differ from rank 0's at file {i + 1}: {names[0]} vs {names[1]}"
+            else:
+                what = f"rank {rank} has {key} {value} but rank 0 has {key} {ours}"
+            return (f"{what}; start every process with the same flags, shards and checkpoints (only --cpu_threads, "
+                    f"--device, --log_dir, --profile and the data folders may differ)")
+    return None
+
+
+def check_ranks_agree(settings):
+    """Each node types its own command line: one all-gather at start-up, then every rank refuses the same
+    first difference from rank 0 in the same words."""
+    if not dist_ready():
+        return
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, settings)
+    difference = first_rank_difference(everyone)
+    if difference:
+        raise ConfigError(difference)
+
+
+def restart_warnings(hp):
+    """What would make torchrun's restarts of this run (--max-restarts) fail or start over."""
+    if not int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        return []
+    warnings = []
+    if hp.resume != "auto":
+        warnings.append("torchrun may restart this run, but without --resume auto a restart starts over or is refused")
+    if not hp.save_every:
+        warnings.append("torchrun may restart this run, but --save_every is 0: a restart after a crash starts at step 0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        warnings.append("torchrun shares its rendezvous store with the workers, so restarted workers may read the last "
+                        "attempt's addresses and fail to connect (pytorch#135712); start torchrun with "
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    return warnings
 
 
 def setup_distributed(hp):
@@ -3026,13 +3237,17 @@ def setup_distributed(hp):
 def resolve_data(hp, rank):
     """(train glob, val glob, description), prefixed by $DATA_PATH. The synthetic corpus replaces the
     data only with --synthetic_fallback, when both globs are left at their defaults and match nothing;
-    a glob the user gave that matches nothing is an error."""
-    root = Path(os.environ.get("DATA_PATH", "."))
+    it lives in the working folder's data/synthetic/ (never written under a DATA_PATH); a glob the user
+    gave that matches nothing is an error."""
+    data_path = os.environ.get("DATA_PATH")
+    if data_path and not Path(data_path).is_dir():
+        raise DataError(f"DATA_PATH {data_path} is not a folder; set it to the folder that holds data/ (or unset it)")
+    root = Path(data_path or ".")
     train, val = str(root / hp.train_files), str(root / hp.val_files)
     defaults = Hyperparameters()
     untouched = (hp.train_files, hp.val_files) == (defaults.train_files, defaults.val_files)
     if hp.synthetic_fallback and untouched and not (glob.glob(train) and glob.glob(val)):
-        folder = root / "data" / "synthetic"
+        folder = Path("data") / "synthetic"
         train, val = str(folder / "synthetic_train_*.bin"), str(folder / "synthetic_val_*.bin")
         if rank == 0 and not (glob.glob(train) and glob.glob(val)):
             synthetic_corpus(folder)
@@ -3047,7 +3262,7 @@ def resolve_data(hp, rank):
 
 
 @contextlib.contextmanager
-def failing_together(device):
+def failing_together(device, during="setup"):
     """Run a block on every rank; if it fails on any rank, fail on all (one rank stopping alone would
     leave the others waiting in their next collective)."""
     error = None
@@ -3059,7 +3274,7 @@ def failing_together(device):
         failed = torch.tensor([float(error is not None)], device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item() and error is None:
-            raise ConfigError("another process stopped during setup (its message is above)")
+            raise ConfigError(f"another process stopped during {during} (its message is above)")
     if error is not None:
         raise error
 
@@ -3171,50 +3386,101 @@ class StepProfiler:
 
 
 class LateLossCheck:
-    """Each step's loss is checked for a non-finite value one step late, so the host never waits for the
-    GPU: push() starts copying this step's loss and checks the previous one; finish() checks the last."""
+    """Each step's [loss, stop votes] (Trainer.train_step) is read one step late, so the host never waits
+    for the GPU: push() starts copying this step's values, checks the previous step's loss for a
+    non-finite value and returns whether any rank asked to stop at that step; finish() does the same for
+    the last. The values are summed over ranks, so every rank reads the same ones at the same step."""
 
     def __init__(self, device):
         self.device, self.pending = device, None
 
-    def push(self, step, loss):
-        self.finish()
+    def push(self, step, totals):
+        stop = self.finish()
         if self.device.type != "cuda":
-            self.pending = (step, loss, None)
-            return
-        host = torch.empty((), dtype=loss.dtype, pin_memory=True)
-        host.copy_(loss, non_blocking=True)
+            self.pending = (step, totals, None)
+            return stop
+        host = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=True)
+        host.copy_(totals, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         self.pending = (step, host, done)
+        return stop
 
     def finish(self):
         if self.pending is None:
-            return
-        step, loss, done = self.pending
+            return False
+        step, totals, done = self.pending
         self.pending = None
         if done is not None:
             done.synchronize()  # waits for that step only, not for the work queued since
-        value = loss.item()
+        value, stop_votes = totals.tolist()
         if not math.isfinite(value):
             raise FloatingPointError(f"training loss is {value} at step {step}; lower the learning rates "
                                      f"(--muon_lr/--adam_lr) or check the data, then rerun")
+        return stop_votes > 0
+
+
+class StopSignals:
+    """SIGTERM and SIGUSR1 (what schedulers send before they kill: SLURM, Kubernetes, spot instances) ask
+    the run to stop. Before the first training step there is nothing to save, so a signal stops the
+    process at once (Preempted). From note_from_now_on() (the training loop) the handler only notes the
+    first signal; the loop carries the request to every rank and stops them all at the same step, after
+    a checkpoint. Further signals change nothing, so one during the checkpoint's write cannot cut it short."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received, self.noting, self._previous = None, False, {}
+
+    def note_from_now_on(self):
+        self.noting = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # Python handles signals there only
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _note(self, signum, frame):
+        name = signal.Signals(signum).name
+        if not self.noting:
+            raise Preempted(f"stopped by {name} before the first training step; nothing new to save")
+        self.received = self.received or name
+
+
+class Preempted(Exception):
+    """The run stopped at a stop signal's request, with its state saved (main prints it from rank 0)."""
+
+
+def checkpoint_complete_after(steps_done):
+    """Whether a checkpoint after `steps_done` steps holds the whole optimizer state: DistAdam's gradients
+    accumulate from an even step to the odd step where it updates, and checkpoints hold no gradients."""
+    return steps_done == 0 or adam_steps_at(steps_done - 1)
 
 
 class Trainer:
     """Holds the run's moving parts: setup in __init__, warm_up(), then run(), the timed loop."""
 
-    def __init__(self, hp, argv=()):
-        self.hp = hp
+    def __init__(self, hp, argv=(), stop=None):
+        self.hp, self.stop = hp, stop or StopSignals()  # (one not entered never hears a signal)
         self.rank, self.world_size, self.device = setup_distributed(hp)
         self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
+        self.run_id = hp.run_id or str(uuid.uuid4())
+        self.checkpoint_folder = Path(hp.log_dir) / "checkpoints" / self.run_id
+        self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0)
         with failing_together(self.device):  # everything that can be wrong with the input, before any work
             self.accum = grad_accum_steps(hp, self.world_size)
             check_batch_splits(hp, self.world_size, self.accum)
-            self.run_id = hp.run_id or str(uuid.uuid4())
-            self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0)
-            self.log(f"args: {json.dumps(list(argv))}", console=False)
-            self.log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
+            continuing = self.rank == 0 and check_outputs(hp, self.log.path, self.checkpoint_folder, self.total_steps)
+            if continuing:
+                self.log(f"continued by --resume auto with args: {json.dumps(list(argv))}", console=False)
+            else:
+                self.log(f"args: {json.dumps(list(argv))}", console=False)
+                self.log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
             self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
             train_pattern, val_pattern, data_description = resolve_data(hp, self.rank)
             self.log(f"data: {data_description}")
@@ -3226,9 +3492,13 @@ class Trainer:
                 raise DataError(f"--batch_sizes {max(hp.batch_sizes)} takes {per_micro_step} tokens per micro-step from one "
                                 f"shard, but the largest training shard holds {max(self.loader.shard_tokens)}; use "
                                 f"smaller batches or larger shards")
-            self.resume_from = load_checkpoint(hp.resume) if hp.resume else None
+            self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder, self.log)
             if self.resume_from is not None:
-                check_resumable(hp.resume, self.resume_from, hp, self.total_steps)
+                check_resumable(self.resume_path, self.resume_from, hp, self.total_steps)
+        check_ranks_agree(rank_settings(hp, self.device, self.loader.files, sorted(glob.glob(val_pattern)),
+                                        self.resume_from["step"] if self.resume_from else 0))
+        for warning in restart_warnings(hp):
+            self.log(f"warning: {warning}")
         torch.manual_seed(hp.seed)
         self.model = build_model(hp, self.device, self.accum)
         if self.world_size > 1:
@@ -3248,6 +3518,8 @@ class Trainer:
         self.stats = RunStats(self.device)
         self.profiler = StepProfiler(hp, self.run_id, self.total_steps, self.log)
         self.step, self.training_time_ms, self.tokens_seen = 0, 0.0, 0
+        with failing_together(self.device):
+            self.log.open(continuing)
 
     # --- one step -------------------------------------------------------------------------
     def schedule(self, step):
@@ -3256,25 +3528,30 @@ class Trainer:
 
     def train_step(self, step, batch_size, windows):
         """One optimizer step of `batch_size` tokens (as scheduled for `step`): `accum` micro-batches
-        forward and backward, the optimizers. Returns the step's loss summed over ranks, as a device
-        tensor (reading it waits for the GPU); no host-device synchronization happens inside."""
+        forward and backward, the optimizers. Returns [the step's loss, the ranks that got a stop signal],
+        summed over ranks, as a device tensor (reading it waits for the GPU); no host-device
+        synchronization happens inside."""
         rank_tokens = tokens_per_rank(batch_size, self.world_size, self.accum)
         self.model.train()
         mtp = None if self.mtp_weights is None else self.mtp_weights[step]
-        total = torch.zeros((), device=self.device)
+        totals = torch.zeros(2, device=self.device)
+        total, stop_votes = totals.unbind()
         for _ in range(self.accum):
             batch = self.loader.next_batch(rank_tokens, max_seq_len_at(step, self.hp))
             loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, self.windows[windows], batch.bigram_ids,
                                 mtp) / self.accum
             loss.backward()
             total += loss.detach()
+        if self.stop.received:
+            stop_votes += 1
         if self.world_size > 1:
-            dist.all_reduce(total)  # a non-finite loss on any rank stops every rank at the same step
+            # one all-reduce: a non-finite loss or a stop signal on any rank stops every rank at the same step
+            dist.all_reduce(totals)
         step_optimizers(step, self.matrix_opt, self.adam, self.untie_at)
         if self.fp8_mlp is not None:
             self.fp8_mlp.quantize(self.model.layers, bootstrap=step < FP8MLPWeights.BOOTSTRAP_STEPS)
         self.tokens_seen += rank_tokens * self.accum * self.world_size
-        return total
+        return totals
 
     @torch.no_grad()
     def validate(self, windows):
@@ -3328,22 +3605,25 @@ class Trainer:
             if snap["world_size"] != self.world_size else ""
         self.log(f"resumed from {path} at step {self.step}{moved}")
 
-    def checkpoint(self, tag):
-        """Write a checkpoint (rank 0). A failed periodic write only warns: training goes on and the
-        earlier checkpoints stay; a failed final write ends the run."""
-        snap = self.snapshot()
-        if self.rank != 0:
-            return
-        path = Path(self.hp.log_dir) / "checkpoints" / self.run_id / f"{tag}.pt"
-        try:
-            save_checkpoint(path, snap)
-        except OSError as e:
-            if tag == "final":
-                raise
-            self.log(f"warning: could not write checkpoint {path} ({e.strerror or e}); training goes on and the "
-                     f"earlier checkpoints are kept")
-            return
-        self.log(f"saved checkpoint {path}")
+    def checkpoint(self, tag, required=False):
+        """Write a checkpoint (collective; rank 0 writes) and return its path (None elsewhere). A failed
+        periodic write only warns: training goes on and the earlier checkpoints stay; a failed required
+        write (final, preemption) fails on every rank."""
+        with failing_together(self.device, during=f"the checkpoint {tag}"):
+            snap = self.snapshot()
+            if self.rank != 0:
+                return None
+            path = self.checkpoint_folder / f"{tag}.pt"
+            try:
+                save_checkpoint(path, snap)
+            except OSError as e:
+                if required:
+                    raise
+                self.log(f"warning: could not write checkpoint {path} ({e.strerror or e}); training goes on and the "
+                         f"earlier checkpoints are kept")
+                return None
+            self.log(f"saved checkpoint {path}")
+            return path
 
     def warm_up(self):
         """Compile every batch-size/window variant and the validation pass, then undo it all."""
@@ -3377,14 +3657,22 @@ class Trainer:
         val = f" val_loss:{val_loss:.4f}" if val_loss is not None else ""
         self.log(f"step:{step}/{self.total_steps}{val} train_time:{ms:.0f}ms step_avg:{ms / max(step, 1):.2f}ms")
 
+    def stop_with_checkpoint(self):
+        """End the run at a stop signal's request, at the step every rank decided on: checkpoint, raise."""
+        path = self.checkpoint(f"step_{self.step:06d}", required=True)
+        who = self.stop.received or "a signal to another process"
+        raise Preempted(f"preempted at step {self.step} by {who}, checkpoint {path}; continue with --resume auto "
+                        f"--run_id {self.run_id}")
+
     def run(self):
         hp = self.hp
         if hp.warmup_steps:
             self.warm_up()
         if self.resume_from is not None:
-            self.resume(hp.resume, self.resume_from)
+            self.resume(self.resume_path, self.resume_from)
+        self.stop.note_from_now_on()
         loss_check = LateLossCheck(self.device)
-        val_losses = []
+        val_losses, stopping = [], False
         self.synchronize()
         self.clock_start = time.perf_counter()
         for step in range(self.step, self.total_steps + 1):
@@ -3397,15 +3685,19 @@ class Trainer:
             if last:
                 break
             self.profiler.at(step, self.rank)
-            loss_check.push(step, self.train_step(step, batch_size, windows))
+            stopping |= loss_check.push(step, self.train_step(step, batch_size, windows))
             self.step = step + 1
             self.log_step(self.step)
+            if stopping and checkpoint_complete_after(self.step):
+                loss_check.finish()
+                with self.clock_paused():
+                    self.stop_with_checkpoint()
             if hp.save_every and self.step % hp.save_every == 0 and self.step < self.total_steps:
                 with self.clock_paused():
                     self.checkpoint(f"step_{self.step:06d}")
         loss_check.finish()
         if hp.save_checkpoint:
-            self.checkpoint("final")
+            self.checkpoint("final", required=True)
         for line in self.stats.summary(self.model, hp, self.tokens_seen, self.training_time_ms, self.world_size):
             self.log(line)
         self.loader.close()
@@ -3429,23 +3721,36 @@ def portable_argv(argv):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        hp = parse_args(argv)
-        trainer = Trainer(hp, portable_argv(argv))
-        return trainer.run()
-    except (ConfigError, DataError, FloatingPointError) as e:
-        print(f"train_gpt.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:  # a log or checkpoint folder that cannot be written, a full disk, ...
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"train_gpt.py: error: {where}{e.strerror or e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("train_gpt.py: error: interrupted; resume from the last checkpoint with --resume", file=sys.stderr)
-        sys.exit(130)
-    finally:
-        if dist_ready():
-            dist.destroy_process_group()
+    trainer = None
+    with StopSignals() as stop:
+        try:
+            hp = parse_args(argv)
+            trainer = Trainer(hp, portable_argv(argv), stop)
+            return trainer.run()
+        except Preempted as e:
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"train_gpt.py: {e}", file=sys.stderr)
+            if trainer is not None:
+                trainer.log.record_ending(str(e))
+            sys.exit(PREEMPTED_EXIT_CODE)
+        except (ConfigError, DataError, FloatingPointError) as e:
+            fail(trainer, str(e))
+        except OSError as e:  # a log or checkpoint folder that cannot be written, a full disk, ...
+            fail(trainer, f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e))
+        except KeyboardInterrupt:
+            fail(trainer, "interrupted; continue from the last checkpoint with --resume auto and its --run_id", 130)
+        finally:
+            if dist_ready():
+                dist.destroy_process_group()
+
+
+def fail(trainer, message, code=2):
+    """End the run with one error line on stderr, also in the run's log once that is open."""
+    line = f"train_gpt.py: error: {message}"
+    print(line, file=sys.stderr)
+    if trainer is not None:
+        trainer.log.record_ending(line)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

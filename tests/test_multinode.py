@@ -35,17 +35,24 @@ def free_port():
         return s.getsockname()[1]
 
 
-def torchrun(args, cwd, nodes=1, procs=1, timeout=600):
+def torchrun(args, cwd, nodes=1, procs=1, timeout=600, restarts=0, script=SCRIPT, extra_env=()):
     """Start `nodes` torchrun agents on this machine (one rendezvous), wait; [(code, stdout, stderr)]."""
     port = free_port()
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={procs}",
-              "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=speedrun-test"]
-    agents = [subprocess.Popen([*launch, f"--node_rank={i}", str(SCRIPT), *map(str, args)], cwd=cwd, env=env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(nodes)]
+              "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=speedrun-test",
+              f"--max-restarts={restarts}"]
+    agents = [subprocess.Popen([*launch, f"--node_rank={i}", str(script), *map(str, args)], cwd=cwd,
+                               env={**env(), **dict(extra_env)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for i in range(nodes)]
     results = []
-    for agent in agents:
-        out, err = agent.communicate(timeout=timeout)
-        results.append((agent.returncode, out, err))
+    try:
+        for agent in agents:
+            out, err = agent.communicate(timeout=timeout)
+            results.append((agent.returncode, out, err))
+    finally:  # a hung run must not outlive its test (torchrun stops its workers when it is killed)
+        for agent in agents:
+            if agent.poll() is None:
+                agent.terminate()
     return results
 
 

@@ -339,7 +339,7 @@ class RecordRun:
         start = time.perf_counter()
         try:
             for step in range(self.MOVE_STEPS):
-                losses.append(trainer.train_step(step, *trainer.schedule(step)).item())
+                losses.append(trainer.train_step(step, *trainer.schedule(step))[0].item())
                 if step == 0:
                     seconds = time.perf_counter() - start
                     report_compile(self.device, ", ".join(what for _, what in self.training_graphs()), seconds)

@@ -1,0 +1,330 @@
+"""Recovery without a person, on CPU with gloo: a stop signal ends a run at a step every rank agrees
+on, with a checkpoint and exit code 75; --resume auto continues the newest checkpoint of a run id
+that verifies, in the run's own log; torchrun --max-restarts recovers from a rank killed with SIGKILL.
+Recovered runs end with the same val losses (to the printed digits) as uninterrupted ones: resume is
+bit-exact on CPU at the same world size, so the bar is equality. Also the checks around it: ranks
+started with different settings, a run id reused by another run, log and checkpoint folders that
+cannot be written, a DATA_PATH that does not exist.
+
+Faults are injected by tests/fault_runner.py at exact steps (signals sent by the process to itself),
+so no test races a timer."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt as tg
+from test_bad_input import one_line_error
+from test_multinode import free_port, single_log, torchrun
+from test_training import corpus, env, restore_threads, run_main, short, val_losses  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("restore_threads")  # in-process runs set torch's thread count
+
+RUNNER = Path(__file__).resolve().parent / "fault_runner.py"
+# A signal noted after step 3 (FAULT_AFTER_STEP=R:3:...) rides step 3's all-reduce, is read one step
+# late (after step 4), and step 5 is completed so that DistAdam's two-step gradient is applied: the
+# run stops with 6 steps done.
+SIGNALLED_AFTER, STOPS_AT = 3, 6
+
+
+def run_ranks(args, cwd, world_size=1, faults=(), timeout=300, rank_args=()):
+    """`world_size` plain processes of fault_runner.py forming one gloo group (no launcher, so each exit
+    code is seen), rank r with rank_args[r] appended if given; [(exit code, stdout, stderr)] by rank."""
+    port, procs, outputs = free_port(), [], []
+    for rank in range(world_size):
+        group = dict(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port) if world_size > 1 else {}
+        out, err = (open(cwd / f"rank{rank}.{kind}", "w+") for kind in ("out", "err"))  # no pipe can fill up
+        outputs.append((out, err))
+        own = rank_args[rank] if rank_args else []
+        procs.append(subprocess.Popen([sys.executable, str(RUNNER), *map(str, [*args, *own])], cwd=cwd, stdout=out,
+                                      stderr=err, env={**env(), **{k: str(v) for k, v in group.items()}, **dict(faults)}))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for code, (out, err) in zip(codes, outputs):
+        out.seek(0)
+        err.seek(0)
+        results.append((code, out.read(), err.read()))
+        out.close()
+        err.close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    """Val losses of the uninterrupted 8-step run, by world size (each computed once)."""
+    cache = {}
+
+    def losses(world_size):
+        if world_size not in cache:
+            cwd = tmp_path_factory.mktemp(f"uninterrupted{world_size}")
+            results = run_ranks(short(corpus, "--run_id", "whole"), cwd, world_size)
+            assert all(code == 0 for code, _, _ in results), results[0][2][-3000:]
+            cache[world_size] = val_losses(single_log(cwd))
+        return cache[world_size]
+    return losses
+
+
+def sound_checkpoint_at(folder, step):
+    path = folder / f"step_{step:06d}.pt"
+    assert tg.load_checkpoint(path)["step"] == step  # verifies: checksum, format, keys
+    assert not list(folder.glob(".*.tmp"))  # no write was left half done
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- stop signals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_sigterm_stops_every_rank_at_one_checkpoint_and_resume_auto_ends_the_same(corpus, tmp_path, uninterrupted,
+                                                                                 world_size):
+    """SIGTERM reaches the last rank only; every rank stops after the same step, rank 0 writes the
+    checkpoint, all exit with 75. Alone, the process gets a second SIGTERM in the middle of each later
+    checkpoint write, which must not cut it short. --resume auto then finishes with the uninterrupted
+    run's val losses, in the same log."""
+    args = short(corpus, "--run_id", "job", "--save_every", 2, "--resume", "auto")
+    faults = {"FAULT_AFTER_STEP": f"{world_size - 1}:{SIGNALLED_AFTER}:TERM", "FAULT_IN_FSYNC": "TERM"}
+    stopped = run_ranks(args, tmp_path, world_size, faults)
+    assert [code for code, _, _ in stopped] == [tg.PREEMPTED_EXIT_CODE] * world_size, stopped[0][2][-3000:]
+    log = single_log(tmp_path)
+    checkpoint = sound_checkpoint_at(tmp_path / "logs" / "checkpoints" / "job", STOPS_AT)
+    who = "SIGTERM" if world_size == 1 else "a signal to another process"  # rank 0 itself got none
+    line = f"preempted at step {STOPS_AT} by {who}, checkpoint {checkpoint.relative_to(tmp_path)}"
+    assert line in log and line in stopped[0][2], stopped[0][2]
+    assert f"step:{STOPS_AT + 1}/" not in log  # no rank went on
+
+    resumed = run_ranks(args, tmp_path, world_size)
+    assert [code for code, _, _ in resumed] == [0] * world_size, resumed[0][2][-3000:]
+    log = single_log(tmp_path)
+    assert f"resumed from {checkpoint.relative_to(tmp_path)} at step {STOPS_AT}" in log
+    assert val_losses(log) == uninterrupted(world_size)  # (the resumed run's lines come last for each step)
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_rank_killed_with_sigkill_and_the_run_ends_the_same(corpus, tmp_path, uninterrupted):
+    """torchrun --max-restarts 1 with a c10d rendezvous; rank 1 kills itself (SIGKILL) after step 5, past
+    the checkpoint at step 4. The agent restarts both workers, they resume from step 4 and finish: the
+    uninterrupted run's val losses, one log."""
+    args = short(corpus, "--run_id", "elastic", "--save_every", 4, "--resume", "auto")
+    [(code, out, err)] = torchrun(args, tmp_path, procs=2, restarts=1, script=RUNNER, timeout=400,
+                                  extra_env={"FAULT_AFTER_STEP": "1:5:KILL", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert code == 0, err[-3000:]
+    log = single_log(tmp_path)
+    first_attempt, resumed = log.split("resumed from logs/checkpoints/elastic/step_000004.pt at step 4")
+    assert "saved checkpoint logs/checkpoints/elastic/step_000004.pt" in first_attempt and "resumed" not in resumed
+    assert val_losses(log) == uninterrupted(2)
+
+
+# ---------------------------------------------------------------------------------------------- --resume auto
+
+
+def interrupted_run(argv, capsys, monkeypatch, step):
+    """Run in this process, stopped with Ctrl-C after `step` (exit 130): an unfinished log, its checkpoints."""
+    real = tg.Trainer.log_step
+
+    def log_step(self, s, val_loss=None):
+        real(self, s, val_loss)
+        if val_loss is None and s == step:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tg.Trainer, "log_step", log_step)
+        _, code, err = run_main(argv, capsys)
+    assert code == 130, err
+
+
+@pytest.mark.slow
+def test_resume_auto_skips_a_truncated_newest_checkpoint(corpus, tmp_path, capsys, monkeypatch):
+    argv = short(corpus, "--log_dir", tmp_path, "--run_id", "cut", "--save_every", 2, "--resume", "auto")
+    interrupted_run(argv, capsys, monkeypatch, 5)
+    first = val_losses((tmp_path / "cut.txt").read_text())
+    newest = tmp_path / "checkpoints" / "cut" / "step_000004.pt"
+    newest.write_bytes(newest.read_bytes()[:100_000])
+    resumed, code, err = run_main(argv, capsys)
+    assert code == 0, err
+    log = (tmp_path / "cut.txt").read_text()
+    warnings = [line for line in log.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and str(newest) in warnings[0] and "corrupt or truncated" in warnings[0], warnings
+    assert f"resumed from {newest.with_name('step_000002.pt')} at step 2" in log
+    assert f"{resumed[1][1]:.4f}" == first[4]  # step 4 again, from step 2: the same value
+
+
+@pytest.mark.slow
+def test_resume_auto_without_a_checkpoint_starts_fresh_in_the_same_log(corpus, tmp_path, capsys, monkeypatch):
+    """A new run id starts at step 0; so does a restart before the first checkpoint, continuing its log."""
+    argv = short(corpus, "--log_dir", tmp_path, "--run_id", "new", "--save_every", 4, "--resume", "auto")
+    interrupted_run(argv, capsys, monkeypatch, 2)
+    result, code, err = run_main(argv, capsys)
+    assert code == 0 and [s for s, _ in result] == [0, 2, 4, 6, 8], err
+    log = (tmp_path / "new.txt").read_text()
+    assert log.count(f"--resume auto: no checkpoint in {tmp_path / 'checkpoints' / 'new'} yet; starting at step 0") == 2
+    assert len(re.findall(r"^script_sha256 ", log, re.M)) == 1 and "continued by --resume auto with args:" in log
+    assert not re.search(r"^resumed from", log, re.M)
+
+
+def test_resume_auto_needs_a_run_id(corpus, tmp_path, capsys):
+    _, code, err = run_main(short(corpus, "--log_dir", tmp_path, "--resume", "auto"), capsys)
+    one_line_error(code, err, "--resume auto needs --run_id")
+
+
+@pytest.fixture
+def logged_run(corpus, tmp_path):
+    """The log of run 'mine' as its setup writes it (no step trained), and the run's arguments."""
+    argv = short(corpus, "--log_dir", tmp_path, "--run_id", "mine", "--resume", "auto")
+    tg.Trainer(tg.parse_args(argv)).loader.close()
+    return tmp_path / "mine.txt", argv
+
+
+@pytest.mark.parametrize("extra,edit,needles", [
+    (["--muon_lr", "0.05"], "", ["mine.txt was written with --muon_lr 0.023 but this run has --muon_lr 0.05", "is taken"]),
+    (["--seed", "1"], "", ["--seed 0 but this run has --seed 1", "is taken"]),
+    ([], "script", ["written by a different train_gpt.py", "is taken"]),
+    ([], "finished", ["the run 'mine' has finished"]),
+    (["--resume", ""], "", ["mine.txt exists: the run id 'mine' is taken", "--resume auto"]),
+])
+def test_a_log_that_is_not_this_runs_is_not_continued(logged_run, capsys, extra, edit, needles):
+    """A rerun with other training settings, another seed or another script is another run; a finished
+    run is not continued; without --resume auto the id is taken, as before. The log stays as it was."""
+    log, argv = logged_run
+    if edit == "script":
+        log.write_text("# edited\n" + log.read_text())
+    elif edit == "finished":
+        log.write_text(log.read_text() + "step:8/8 val_loss:9.2518 train_time:1ms step_avg:0.12ms\n")
+    before = log.read_text()
+    _, code, err = run_main([*argv, *extra], capsys)
+    one_line_error(code, err, *needles)
+    assert log.read_text() == before
+
+
+def test_a_new_run_does_not_overwrite_the_checkpoints_of_its_id(corpus, tmp_path, capsys):
+    folder = tmp_path / "checkpoints" / "old"
+    folder.mkdir(parents=True)
+    (folder / "step_000002.pt").write_bytes(b"precious")
+    _, code, err = run_main(short(corpus, "--log_dir", tmp_path, "--run_id", "old"), capsys)
+    one_line_error(code, err, str(folder), "--resume auto")
+    assert (folder / "step_000002.pt").read_bytes() == b"precious" and not (tmp_path / "old.txt").exists()
+
+
+def test_a_stop_signal_before_training_stops_at_once_and_one_during_training_is_noted():
+    """Before the first step (setup, the compile warm-up) there is nothing to save: stop at once. In the
+    training loop the first signal is noted for the loop to act on; later ones change nothing."""
+    before = signal.getsignal(signal.SIGTERM)
+    with tg.StopSignals() as stop:
+        assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL  # (else the signal would end pytest)
+        with pytest.raises(tg.Preempted, match="stopped by SIGTERM before the first training step"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # (the handler runs at once; sleep only if it had not)
+        stop.note_from_now_on()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == "SIGUSR1"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+# ---------------------------------------------------------------------------------------------- ranks agree
+
+
+@pytest.mark.slow
+def test_ranks_started_with_other_settings_are_refused_before_any_work(corpus, tmp_path):
+    """The probe's BAD case: rank 1 alone got --adam_lr 0.05 (each node types its own command line)."""
+    results = run_ranks(short(corpus, "--run_id", "mixed"), tmp_path, 2, rank_args=[[], ["--adam_lr", "0.05"]])
+    for code, _, err in results:  # the same line from both
+        one_line_error(code, err, "rank 1 has --adam_lr 0.05 but rank 0 has --adam_lr 0.008")
+    assert not (tmp_path / "logs").exists()  # refused before the log was made
+
+
+def settings(**changes):
+    base = tg.rank_settings(tg.parse_args(["--preset", "cpu"]), torch.device("cpu"), ["a/t1.bin", "a/t2.bin"],
+                            ["a/v1.bin"], 4)
+    return {**base, **changes}
+
+
+@pytest.mark.parametrize("theirs,needle", [
+    (settings(), None),
+    (settings(**{"--batch_sizes": "2048 3072 8192"}), "rank 2 has --batch_sizes 2048 3072 8192 but rank 0 has "
+                                                      "--batch_sizes 2048 3072 4096"),
+    (settings(**{"training shards": ["t1.bin"]}), "rank 2's training shards differ from rank 0's at file 2: none vs t2.bin"),
+    (settings(**{"validation shards": ["v9.bin"]}), "rank 2's validation shards differ from rank 0's at file 1: v9.bin vs v1.bin"),
+    (settings(**{"resume step": 0}), "rank 2 has resume step 0 but rank 0 has resume step 4"),
+])
+def test_first_rank_difference_names_the_first_differing_setting(theirs, needle):
+    difference = tg.first_rank_difference([settings(), settings(), theirs])
+    assert difference == needle if needle is None else needle in difference, difference
+
+
+def test_only_machine_local_flags_may_differ_between_ranks():
+    local = tg.parse_args(["--preset", "cpu", "--cpu_threads", "3", "--log_dir", "x", "--profile", "1:2",
+                           "--train_files", "elsewhere/t_*.bin", "--val_files", "elsewhere/v_*.bin", "--device", "auto"])
+    same = tg.rank_settings(local, torch.device("cpu"), ["b/t1.bin", "b/t2.bin"], ["b/v1.bin"], 4)
+    assert tg.first_rank_difference([settings(), same]) is None
+
+
+# ---------------------------------------------------------------------------------------------- folders and disks
+
+
+@pytest.mark.parametrize("case", ["log folder: a symlink loop", "checkpoint folder: a link to /dev/full"])
+def test_log_and_checkpoint_folders_are_checked_before_any_work(corpus, tmp_path, capsys, case):
+    """Both used to end in a bare 'File exists', the checkpoint folder's only after training."""
+    log_dir = tmp_path / "logs"
+    if case.startswith("log folder"):
+        log_dir.symlink_to(log_dir)
+        needle = f"{log_dir} is a symbolic link that resolves nowhere"
+    else:
+        log_dir.mkdir()
+        (log_dir / "checkpoints").symlink_to("/dev/full")
+        needle = f"{log_dir / 'checkpoints'} is not a folder"
+    _, code, err = run_main(short(corpus, "--log_dir", log_dir, "--run_id", "x"), capsys)
+    one_line_error(code, err, f"--log_dir {log_dir}", needle)
+    assert not list(tmp_path.rglob("*.txt"))
+
+
+def test_a_data_path_that_does_not_exist_is_refused_and_not_created(tmp_path, monkeypatch):
+    """It used to get data/synthetic/ made under it and 16 MB written there."""
+    monkeypatch.setattr(tg, "synthetic_corpus", lambda folder: pytest.fail(f"would write a corpus into {folder}"))
+    monkeypatch.setenv("DATA_PATH", str(tmp_path / "nonexistent" / "xyz"))
+    with pytest.raises(tg.DataError, match=f"DATA_PATH {tmp_path / 'nonexistent' / 'xyz'} is not a folder"):
+        tg.resolve_data(tg.parse_args(["--preset", "cpu"]), 0)
+    assert not (tmp_path / "nonexistent").exists()
+
+
+def test_the_synthetic_corpus_lives_in_the_working_folder_not_under_data_path(tmp_path, monkeypatch):
+    made = []
+    monkeypatch.setattr(tg, "synthetic_corpus", made.append)
+    monkeypatch.setenv("DATA_PATH", str(tmp_path / "shared"))
+    (tmp_path / "shared").mkdir()
+    monkeypatch.chdir(tmp_path)
+    train, val, _ = tg.resolve_data(tg.parse_args(["--preset", "cpu"]), 0)
+    assert made == [Path("data") / "synthetic"] and train == str(Path("data") / "synthetic" / "synthetic_train_*.bin")
+    assert not list((tmp_path / "shared").iterdir())
+
+
+def test_a_log_write_to_a_full_disk_names_the_log(tmp_path):
+    log = tg.RunLog(tmp_path / "run.txt", True)
+    log.open()
+    (tmp_path / "run.txt").unlink()
+    (tmp_path / "run.txt").symlink_to("/dev/full")
+    with pytest.raises(OSError, match="No space left on device") as info:
+        log("step:1/2 train_time:1ms step_avg:1.00ms")
+    assert info.value.filename == str(tmp_path / "run.txt")
+
+
+def test_a_log_whose_header_cannot_be_written_is_removed(tmp_path, monkeypatch):
+    def full_disk():
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tg, "environment_report", full_disk)
+    with pytest.raises(OSError, match="No space left on device") as info:
+        tg.RunLog(tmp_path / "run.txt", True).open()
+    assert info.value.filename == str(tmp_path / "run.txt") and not (tmp_path / "run.txt").exists()
