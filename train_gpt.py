@@ -3462,6 +3462,92 @@ def checkpoint_complete_after(steps_done):
     return steps_done == 0 or adam_steps_at(steps_done - 1)
 
 
+def write_checkpoint(path, snap, required, log):
+    """Write a checkpoint and return its path. A failed write raises if `required` (final, preemption);
+    else it only warns, training goes on and the earlier checkpoints stay (None)."""
+    try:
+        save_checkpoint(path, snap)
+    except OSError as e:
+        if required:
+            raise
+        log(f"warning: could not write checkpoint {path} ({e.strerror or e}); training goes on and the earlier "
+            f"checkpoints are kept")
+        return None
+    log(f"saved checkpoint {path}")
+    return path
+
+
+def remove_stale_checkpoint_writes(folder, log):
+    stale = remove_stale_temp_files(folder)
+    if stale:
+        log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in {folder}")
+
+
+def open_data(hp, rank, world_size, device, accum, log):
+    """(training loader, validation tokens, validation files), every shard checked before any work."""
+    train_pattern, val_pattern, data_description = resolve_data(hp, rank)
+    log(f"data: {data_description}")
+    val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
+    loader = TrainLoader(train_pattern, rank, world_size, device, hp.cycle_data, vocab_size=hp.vocab_size,
+                         bigram_rows=hp.bigram_vocab_size)
+    per_micro_step = max(hp.batch_sizes) // accum + world_size  # one micro-step comes from one shard
+    if per_micro_step > max(loader.shard_tokens):
+        raise DataError(f"--batch_sizes {max(hp.batch_sizes)} takes {per_micro_step} tokens per micro-step from one "
+                        f"shard, but the largest training shard holds {max(loader.shard_tokens)}; use smaller batches "
+                        f"or larger shards")
+    return loader, val_tokens, sorted(glob.glob(val_pattern))
+
+
+def start_model(hp, device, world_size, accum):
+    """(model, its forward: compiled on CUDA) from --seed, the same on every rank (rank 0's weights and
+    buffers, such as the bigram signs, are broadcast)."""
+    torch.manual_seed(hp.seed)
+    model = build_model(hp, device, accum)
+    if world_size > 1:
+        for t in (*model.parameters(), *model.buffers()):
+            dist.broadcast(t.data, 0)
+    if device.type == "cuda" and hp.compile:
+        torch._dynamo.config.cache_size_limit = 64
+        return model, torch.compile(model, dynamic=False, fullgraph=True)
+    return model, model
+
+
+def mtp_weight_table(hp, device):
+    """Every step's multi-token weights as one device tensor (indexed without a host-device copy), or
+    None for the next-token loss."""
+    steps = hp.num_scheduled_iterations + hp.num_extension_iterations + 1
+    return torch.tensor([mtp_weights_at(step, hp) for step in range(steps)], device=device) \
+        if multi_token_prediction(hp) else None
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class TrainClock:
+    """Training time in ms; it runs only during training steps (synchronized before each reading)."""
+
+    def __init__(self, device):
+        self.device, self.ms, self.started = device, 0.0, None
+
+    def start(self):
+        synchronize(self.device)
+        self.started = time.perf_counter()
+
+    def running_ms(self):
+        """The time so far without a synchronization (the step lines' approximate figure)."""
+        return self.ms + 1000 * (time.perf_counter() - self.started)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Validation and checkpoints do not count as training time."""
+        synchronize(self.device)
+        self.ms = self.running_ms()
+        yield
+        self.start()
+
+
 class Trainer:
     """Holds the run's moving parts: setup in __init__, warm_up(), then run(), the timed loop."""
 
@@ -3482,42 +3568,23 @@ class Trainer:
                 self.log(f"args: {json.dumps(list(argv))}", console=False)
                 self.log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
             self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
-            train_pattern, val_pattern, data_description = resolve_data(hp, self.rank)
-            self.log(f"data: {data_description}")
-            self.val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
-            self.loader = TrainLoader(train_pattern, self.rank, self.world_size, self.device, hp.cycle_data,
-                                      vocab_size=hp.vocab_size, bigram_rows=hp.bigram_vocab_size)
-            per_micro_step = max(hp.batch_sizes) // self.accum + self.world_size  # one micro-step comes from one shard
-            if per_micro_step > max(self.loader.shard_tokens):
-                raise DataError(f"--batch_sizes {max(hp.batch_sizes)} takes {per_micro_step} tokens per micro-step from one "
-                                f"shard, but the largest training shard holds {max(self.loader.shard_tokens)}; use "
-                                f"smaller batches or larger shards")
+            self.loader, self.val_tokens, val_files = open_data(hp, self.rank, self.world_size, self.device, self.accum,
+                                                                self.log)
             self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder, self.log)
             if self.resume_from is not None:
                 check_resumable(self.resume_path, self.resume_from, hp, self.total_steps)
-        check_ranks_agree(rank_settings(hp, self.device, self.loader.files, sorted(glob.glob(val_pattern)),
+        check_ranks_agree(rank_settings(hp, self.device, self.loader.files, val_files,
                                         self.resume_from["step"] if self.resume_from else 0))
         for warning in restart_warnings(hp):
             self.log(f"warning: {warning}")
-        torch.manual_seed(hp.seed)
-        self.model = build_model(hp, self.device, self.accum)
-        if self.world_size > 1:
-            for t in (*self.model.parameters(), *self.model.buffers()):  # buffers: the bigram signs
-                dist.broadcast(t.data, 0)
+        self.model, self.forward = start_model(hp, self.device, self.world_size, self.accum)
         self.fp8_mlp = getattr(self.model, "fp8_mlp", None)
         self.matrix_opt, self.adam = make_optimizers(self.model, hp)
-        self.forward = self.model
-        if self.device.type == "cuda" and hp.compile:
-            torch._dynamo.config.cache_size_limit = 64
-            self.forward = torch.compile(self.model, dynamic=False, fullgraph=True)
         self.windows = window_tensors(hp, self.device)
-        self.untie_at = untie_step(hp)
-        # every step's multi-token weights as one device tensor, indexed without a host-device copy
-        self.mtp_weights = torch.tensor([mtp_weights_at(step, hp) for step in range(self.total_steps + 1)],
-                                        device=self.device) if multi_token_prediction(hp) else None
-        self.stats = RunStats(self.device)
+        self.untie_at, self.mtp_weights = untie_step(hp), mtp_weight_table(hp, self.device)
+        self.stats, self.clock = RunStats(self.device), TrainClock(self.device)
         self.profiler = StepProfiler(hp, self.run_id, self.total_steps, self.log)
-        self.step, self.training_time_ms, self.tokens_seen = 0, 0.0, 0
+        self.step, self.tokens_seen = 0, 0
         with failing_together(self.device):
             self.log.open(continuing)
 
@@ -3575,7 +3642,7 @@ class Trainer:
     def snapshot(self):
         """Everything a bit-exact continuation needs (collective when distributed)."""
         return dict(
-            step=self.step, training_time_ms=self.training_time_ms, tokens_seen=self.tokens_seen,
+            step=self.step, training_time_ms=self.clock.ms, tokens_seen=self.tokens_seen,
             model={k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in self.model.state_dict().items()},
             matrix=self.matrix_opt.state_dict(), adam=self.adam.state_dict(), loader=self.loader.state_dict(),
             rng=rng_state(self.device),
@@ -3587,16 +3654,15 @@ class Trainer:
         self.adam.load_state_dict(snap["adam"])
         self.loader.load_state_dict(snap["loader"])
         set_rng_state(snap["rng"], self.device)
-        self.step, self.training_time_ms, self.tokens_seen = snap["step"], snap["training_time_ms"], snap["tokens_seen"]
+        self.step, self.clock.ms, self.tokens_seen = snap["step"], snap["training_time_ms"], snap["tokens_seen"]
         self.matrix_opt.zero_grad()
         self.adam.zero_grad()
         if self.fp8_mlp is not None:  # the FP8 copies of the restored weights, at the restored scales
             self.fp8_mlp.requantize(self.model.layers)
 
     def resume(self, path, snap):
-        stale = remove_stale_temp_files(Path(path).parent) if self.rank == 0 else []
-        if stale:
-            self.log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in {Path(path).parent}")
+        if self.rank == 0:
+            remove_stale_checkpoint_writes(Path(path).parent, self.log)
         try:
             self.restore(snap)
         except (ValueError, RuntimeError) as e:  # a model or optimizer state of another shape (possible with --force)
@@ -3611,19 +3677,8 @@ class Trainer:
         write (final, preemption) fails on every rank."""
         with failing_together(self.device, during=f"the checkpoint {tag}"):
             snap = self.snapshot()
-            if self.rank != 0:
-                return None
-            path = self.checkpoint_folder / f"{tag}.pt"
-            try:
-                save_checkpoint(path, snap)
-            except OSError as e:
-                if required:
-                    raise
-                self.log(f"warning: could not write checkpoint {path} ({e.strerror or e}); training goes on and the "
-                         f"earlier checkpoints are kept")
-                return None
-            self.log(f"saved checkpoint {path}")
-            return path
+            return write_checkpoint(self.checkpoint_folder / f"{tag}.pt", snap, required, self.log) \
+                if self.rank == 0 else None
 
     def warm_up(self):
         """Compile every batch-size/window variant and the validation pass, then undo it all."""
@@ -3635,25 +3690,11 @@ class Trainer:
         self.validate(final_window_blocks(self.hp))
         self.restore(initial)
         self.model.rotary.reset()
-        self.synchronize()
-
-    def synchronize(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(self.device)
 
     # --- the run -----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def clock_paused(self):
-        """Validation and checkpoints do not count as training time."""
-        self.synchronize()
-        self.training_time_ms += 1000 * (time.perf_counter() - self.clock_start)
-        yield
-        self.synchronize()
-        self.clock_start = time.perf_counter()
-
     def log_step(self, step, val_loss=None):
-        ms = self.training_time_ms if val_loss is not None else \
-            self.training_time_ms + 1000 * (time.perf_counter() - self.clock_start)
+        ms = self.clock.ms if val_loss is not None else self.clock.running_ms()
         val = f" val_loss:{val_loss:.4f}" if val_loss is not None else ""
         self.log(f"step:{step}/{self.total_steps}{val} train_time:{ms:.0f}ms step_avg:{ms / max(step, 1):.2f}ms")
 
@@ -3673,13 +3714,12 @@ class Trainer:
         self.stop.note_from_now_on()
         loss_check = LateLossCheck(self.device)
         val_losses, stopping = [], False
-        self.synchronize()
-        self.clock_start = time.perf_counter()
+        self.clock.start()
         for step in range(self.step, self.total_steps + 1):
             last = step == self.total_steps
             batch_size, windows = self.schedule(step)  # validation sees step s's windows
             if last or (hp.val_loss_every and step % hp.val_loss_every == 0):
-                with self.clock_paused():
+                with self.clock.paused():
                     val_losses.append((step, self.validate(final_window_blocks(hp) if last else windows)))
                     self.log_step(step, val_losses[-1][1])
             if last:
@@ -3690,15 +3730,15 @@ class Trainer:
             self.log_step(self.step)
             if stopping and checkpoint_complete_after(self.step):
                 loss_check.finish()
-                with self.clock_paused():
+                with self.clock.paused():
                     self.stop_with_checkpoint()
             if hp.save_every and self.step % hp.save_every == 0 and self.step < self.total_steps:
-                with self.clock_paused():
+                with self.clock.paused():
                     self.checkpoint(f"step_{self.step:06d}")
         loss_check.finish()
         if hp.save_checkpoint:
             self.checkpoint("final", required=True)
-        for line in self.stats.summary(self.model, hp, self.tokens_seen, self.training_time_ms, self.world_size):
+        for line in self.stats.summary(self.model, hp, self.tokens_seen, self.clock.ms, self.world_size):
             self.log(line)
         self.loader.close()
         return val_losses
