@@ -1950,9 +1950,11 @@ def world_info():
 
 class ScheduledOptimizer:
     """What the training loop asks of every optimizer: param_groups (dicts holding "params", "lr" and
-    "initial_lr"), set_schedule() before each step, step() after the step's last backward (it reduces
-    the gradients over the ranks itself), zero_grad(), and a state_dict() that does not depend on the
-    world size (collective when distributed) with its load_state_dict()."""
+    "initial_lr"), set_schedule() before each step, after the step's last backward the three phases
+    reduce_grads() (start the reduce-scatters of the gradients, asynchronously), update() (wait for
+    them, update this rank's share, start the all-gathers) and finish() (wait for those), or step()
+    for all three; zero_grad(), and a state_dict() that does not depend on the world size (collective
+    when distributed) with its load_state_dict()."""
 
     param_groups: list
 
@@ -1966,8 +1968,19 @@ class ScheduledOptimizer:
             for p in group["params"]:
                 p.grad = None
 
-    def step(self):
+    def reduce_grads(self):
+        """(An optimizer that communicates synchronously does it all in update.)"""
+
+    def update(self):
         raise NotImplementedError
+
+    def finish(self):
+        """(Nothing left to wait for.)"""
+
+    def step(self):
+        self.reduce_grads()
+        self.update()
+        self.finish()
 
     def state_dict(self):
         raise NotImplementedError
@@ -1989,9 +2002,14 @@ class NorMuon(ScheduledOptimizer):
     GPU_POLAR_EXPRESS, or CPU_POLAR_EXPRESS on a CPU.
     """
 
-    def __init__(self, params, lr, weight_decay, momentum, beta2=0.95, polar=GPU_POLAR_EXPRESS, lr_rule="param"):
+    def __init__(self, params, lr, weight_decay, momentum, beta2=0.95, polar=GPU_POLAR_EXPRESS, lr_rule="param",
+                 compile_math=False):
         self.rank, self.world_size = world_info()
         self.polar, self.lr_rule = polar, lr_rule
+        # the pointwise math compiled (fused) on the GPU, as the reference's is
+        self.normalize = torch.compile(normalize_variance, dynamic=False) if compile_math else normalize_variance
+        self.apply_update = torch.compile(cautious_update, dynamic=False) if compile_math else cautious_update
+        self._pending, self._gathers = None, []
         params = list(params)
         self.param_groups = [self._group(stack, lr, weight_decay, momentum, beta2)
                              for stack in stacked_groups(params, self.world_size)]
@@ -2040,18 +2058,27 @@ class NorMuon(ScheduledOptimizer):
         return local, dist.reduce_scatter_tensor(local, grads, op=dist.ReduceOp.AVG, async_op=True)
 
     @torch.no_grad()
-    def step(self):
-        pending = [self._reduce(group) for group in self.param_groups]
-        gathers = []
+    def reduce_grads(self):
+        self._pending = [self._reduce(group) for group in self.param_groups]
+
+    @torch.no_grad()
+    def update(self):
+        """Groups smallest first: each one's Polar Express runs while the later groups' gradients are
+        still being reduced."""
+        pending, self._pending = self._pending or [self._reduce(group) for group in self.param_groups], None
         for group, (local, handle) in zip(self.param_groups, pending):
             if handle is not None:
                 handle.wait()
             new_weights = self._update_chunk(group, local)
             if self.world_size > 1:
                 full = new_weights.new_empty(group["chunk"] * self.world_size, *new_weights.shape[1:])
-                gathers.append((group, full, dist.all_gather_into_tensor(full, new_weights, async_op=True)))
+                self._gathers.append((group, full, dist.all_gather_into_tensor(full, new_weights, async_op=True)))
             else:
-                gathers.append((group, new_weights, None))
+                self._gathers.append((group, new_weights, None))
+
+    @torch.no_grad()
+    def finish(self):
+        gathers, self._gathers = self._gathers, []
         for group, full, handle in gathers:
             if handle is not None:
                 handle.wait()
@@ -2074,16 +2101,14 @@ class NorMuon(ScheduledOptimizer):
             # a parameter of several pieces (the merged attention weight's Q, K, V, O; Q and K head pairs)
             # is that many matrices for both steps
             update[lo:hi] = normuon_direction(nesterov[lo:hi], group["second_moment"][lo:hi], pieces,
-                                              group["reduce_dim"], group["beta2"], self.polar)
+                                              group["reduce_dim"], group["beta2"], self.polar, self.normalize)
         weights = torch.zeros_like(grad, dtype=torch.float32)
         if n_real:
             torch.stack([p.float() for p in params], out=weights[:n_real])
         lr = group["lr"]
         lr_factor = (group["lr_scale"][start:stop] * lr).view(-1, 1, 1)
         wd_factor = (group["wd_scale"][start:stop] * group["weight_decay"] * lr).view(-1, 1, 1)
-        mask = (update * weights) >= 0  # cautious: decay only where the update agrees with the weight's sign
-        weights = weights - weights * mask * wd_factor * lr_factor - update * lr_factor
-        return weights.to(group["params"][0].dtype)
+        return self.apply_update(weights, update, lr_factor, wd_factor).to(group["params"][0].dtype)
 
     def state_dict(self):
         """Each parameter's momentum and second moment, in the order the parameters were given: the
@@ -2162,13 +2187,20 @@ def label_runs(labels):
     return [tuple(run) for run in runs]
 
 
-def normuon_direction(stack, second_moment, pieces, reduce_dim, beta2, polar):
-    """Polar Express, then variance normalization, of a (n, rows, cols) stack of one kind of matrix,
-    each matrix treated as `pieces` row blocks of its own (second_moment is updated in place)."""
+def normuon_direction(stack, second_moment, pieces, reduce_dim, beta2, polar, normalize=None):
+    """Polar Express, then variance normalization (normalize_variance, or its compiled version), of a
+    (n, rows, cols) stack of one kind of matrix, each matrix treated as `pieces` row blocks of its own
+    (second_moment is updated in place)."""
     n, rows, cols = stack.shape
     update = polar_express(stack.reshape(n * pieces, rows // pieces, cols), **polar)
     moment = second_moment.view(n * pieces, -1, second_moment.size(-1))
-    return normalize_variance(update, moment, reduce_dim, beta2).view(n, rows, cols)
+    return (normalize or normalize_variance)(update, moment, reduce_dim, beta2).view(n, rows, cols)
+
+
+def cautious_update(weights, update, lr_factor, wd_factor):
+    """weights - weights * wd * lr (only where the update agrees with the weight's sign) - update * lr."""
+    mask = (update * weights) >= 0
+    return weights - weights * mask * wd_factor * lr_factor - update * lr_factor
 
 
 def normalize_variance(update, second_moment, reduce_dim, beta2):
@@ -2203,6 +2235,20 @@ def adam_direction(m, v, t, beta1, beta2, eps):
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
+def adam_update_(exp_avg, exp_avg_sq, grad, weight, beta1, beta2, eps, step_size, decay, strict_mask):
+    """The reference's Adam step with cautious decay, in fp32: the moments (stored in any dtype) are
+    updated in place, `weight` (an fp32 copy of the slice) becomes the new weight and is returned.
+    Decay only where the update agrees with the weight's sign (> 0 if strict_mask, else >= 0)."""
+    m = ema_(exp_avg.to(torch.float32, copy=True), grad, beta1)
+    v = ema_square_(exp_avg_sq.to(torch.float32, copy=True), grad, beta2)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    update = m.div_(v.sqrt_().add_(eps)).mul_(step_size)
+    mask = (update * weight) > 0 if strict_mask else (update * weight) >= 0
+    update.add_(weight * decay * mask)
+    return weight.sub_(update)
+
+
 class DistAdam(ScheduledOptimizer):
     """ZeRO-1 Adam: each rank keeps the moments (in `state_dtype`) of its slice of dim 0 of every
     parameter. A first dimension that does not divide by the world size is padded with zero rows in the
@@ -2213,9 +2259,15 @@ class DistAdam(ScheduledOptimizer):
     head's, and the embedding is a copy of the updated head.
     """
 
-    def __init__(self, params, lr, betas, eps, weight_decay, state_dtype="bf16", strict_mask=False, tie=None):
+    def __init__(self, params, lr, betas, eps, weight_decay, state_dtype="bf16", strict_mask=False, tie=None,
+                 compile_math=False):
         self.rank, self.world_size = world_info()
         self.state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
+        # the pointwise math compiled (fused) on the GPU, as the reference's is; the per-step factors are
+        # 0-dim CPU tensors so that their values change without recompiling
+        self.math = torch.compile(adam_update_, dynamic=False) if compile_math else adam_update_
+        self._step_size, self._decay = torch.zeros(()), torch.zeros(())
+        self._pending, self._gathers = None, []
         self.strict_mask, self.tie, self.tied = strict_mask, tie, tie is not None
         self.param_groups = [dict(params=[p], lr=lr, initial_lr=lr, betas=getattr(p, "betas", None) or betas, eps=eps,
                                   weight_decay=weight_decay, step=0, exp_avg=None, exp_avg_sq=None) for p in params]
@@ -2249,16 +2301,24 @@ class DistAdam(ScheduledOptimizer):
         local = grad.new_empty(grad.shape[0] // self.world_size, *grad.shape[1:])
         return local, dist.reduce_scatter_tensor(local, grad, op=dist.ReduceOp.AVG, async_op=True)
 
+    def _stepping_groups(self):
+        """The groups this step updates (a tied embedding follows the head instead)."""
+        return [group for group in self.param_groups if not (self.tied and group["params"][0] is self.tie[1])]
+
     @torch.no_grad()
-    def step(self):
-        groups = self.param_groups
+    def reduce_grads(self):
         if self.tied:
             head, embed = self.tie
             head.grad += embed.grad
-            groups = [group for group in groups if group["params"][0] is not embed]
-        pending = [self._reduce(group["params"][0]) for group in groups]
-        gathers = []
-        for group, (grad, handle) in zip(groups, pending):
+        self._pending = [self._reduce(group["params"][0]) for group in self._stepping_groups()]
+
+    @torch.no_grad()
+    def update(self):
+        if self._pending is None:
+            self.reduce_grads()
+        pending, self._pending = self._pending, None
+        gathers = self._gathers
+        for group, (grad, handle) in zip(self._stepping_groups(), pending):
             p = group["params"][0]
             if handle is not None:
                 handle.wait()
@@ -2270,11 +2330,16 @@ class DistAdam(ScheduledOptimizer):
                 continue
             full = p if weights is p else torch.empty_like(weights)
             gathers.append((p, full, dist.all_gather_into_tensor(full, new_shard.to(p.dtype), async_op=True)))
+
+    @torch.no_grad()
+    def finish(self):
+        gathers, self._gathers = self._gathers, []
         for p, full, handle in gathers:
             handle.wait()
             if full is not p:
                 p.copy_(full[: p.shape[0]])
         if self.tied:
+            head, embed = self.tie
             embed.copy_(head)
 
     def _adam_update(self, group, grad, weight, p):
@@ -2287,20 +2352,14 @@ class DistAdam(ScheduledOptimizer):
         group["step"] += 1
         t = group["step"]
         lr = group["lr"] * p.lr_mul  # the parameter's own learning rate
-        exp_avg = ema_(group["exp_avg"].to(torch.float32, copy=True), grad, beta1)
-        exp_avg_sq = ema_square_(group["exp_avg_sq"].to(torch.float32, copy=True), grad, beta2)
-        group["exp_avg"].copy_(exp_avg)
-        group["exp_avg_sq"].copy_(exp_avg_sq)
         # unlike adam_direction, eps is added to the uncorrected sqrt(v) and both bias corrections live in
         # the step size, as in the reference
-        step_size = lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t))
-        update = exp_avg.div_(exp_avg_sq.sqrt_().add_(group["eps"])).mul_(step_size)
-        # cautious: decay only where the update agrees with the weight's sign
-        mask = (update * weight) > 0 if self.strict_mask else (update * weight) >= 0
+        self._step_size.fill_(lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t)))
         # decay factor lr * (lr * wd * wd_mul): it follows the square of the parameter's own lr (an
         # absurd lr saturates the factor instead of raising, so the run stops with the non-finite-loss hint)
-        update.addcmul_(weight, mask, value=min(lr * group["weight_decay"] * p.wd_mul * lr, FLOAT32_MAX))
-        return weight.sub_(update)
+        self._decay.fill_(min(lr * group["weight_decay"] * p.wd_mul * lr, FLOAT32_MAX))
+        return self.math(group["exp_avg"], group["exp_avg_sq"], grad, weight, beta1, beta2, group["eps"],
+                         self._step_size, self._decay, self.strict_mask)
 
     def state_dict(self):
         """Full moments (all ranks' slices gathered, the padding cut off); collective when distributed."""
@@ -2343,25 +2402,34 @@ def make_optimizers(model, hp):
     record; its Polar Express takes the fp32 torch path on a CPU) or a track-3 optimizer."""
     matrix_params, adam_params = split_params_for_optimizers(model)
     embed = getattr(model, "embed", None)
+    compile_math = model.lm_head.weight.device.type == "cuda" and hp.compile
     adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd, hp.adam_state_dtype,
-                    hp.adam_cautious_mask == "strict", tie=None if embed is None else (model.lm_head.weight, embed))
+                    hp.adam_cautious_mask == "strict", tie=None if embed is None else (model.lm_head.weight, embed),
+                    compile_math=compile_math)
     if hp.matrix_optimizer != "normuon":
         return make_track3_optimizer(hp.matrix_optimizer, matrix_params, hp), adam
     on_cpu = model.lm_head.weight.device.type == "cpu"
     return NorMuon(matrix_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2,
-                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS, lr_rule=hp.muon_lr_rule), adam
+                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS, lr_rule=hp.muon_lr_rule,
+                   compile_math=compile_math), adam
 
 
 def step_optimizers(step, matrix_opt, adam, untie_at=None):
     """The matrix optimizer every step; DistAdam on odd steps (its gradients accumulate over two steps),
-    untying the embedding from the head after the step `untie_at`."""
-    matrix_opt.step()
-    matrix_opt.zero_grad()
-    if adam_steps_at(step):
-        adam.step()
-        adam.zero_grad()
-        if step == untie_at:
-            adam.untie()
+    untying the embedding from the head after the step `untie_at`. Every reduce-scatter starts first
+    (DistAdam's small ones, then the matrix optimizer's, smallest group first); then the matrix
+    optimizer's updates, each group's overlapping the later groups' reductions; then DistAdam's,
+    overlapping the matrix optimizer's all-gathers."""
+    optimizers = ([adam] if adam_steps_at(step) else []) + [matrix_opt]
+    for optimizer in optimizers:
+        optimizer.reduce_grads()
+    for optimizer in reversed(optimizers):
+        optimizer.update()
+    for optimizer in optimizers:
+        optimizer.finish()
+        optimizer.zero_grad()
+    if adam_steps_at(step) and step == untie_at:
+        adam.untie()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2506,7 +2574,7 @@ class BlockOptimizer(ScheduledOptimizer):
         return flat
 
     @torch.no_grad()
-    def step(self):
+    def update(self):
         self.step_count += 1
         group = self.param_groups[0]
         grads = self._pack(lambda b: b.of(self.params[b.param].grad), self.rank_blocks, torch.float32)
@@ -3213,6 +3281,9 @@ def restart_warnings(hp):
 def setup_distributed(hp):
     """torchrun (RANK/WORLD_SIZE set) or a single plain process; NCCL on CUDA, gloo on CPU. The device
     follows the node-local rank; data and logs follow the global rank."""
+    # as the reference: segments that grow in place, so the stages' larger batches do not fragment memory
+    # (read when CUDA first allocates; a setting of the user's own is kept)
+    os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available()):
@@ -3394,8 +3465,11 @@ class LateLossCheck:
     def __init__(self, device):
         self.device, self.pending = device, None
 
-    def push(self, step, totals):
+    def push(self, step, totals, reduction=None):
+        """reduction: the async all-reduce that sums `totals` over the ranks (None alone)."""
         stop = self.finish()
+        if reduction is not None:
+            reduction.wait()  # on the GPU: the copy below waits for it, the host does not
         if self.device.type != "cuda":
             self.pending = (step, totals, None)
             return stop
@@ -3595,9 +3669,9 @@ class Trainer:
 
     def train_step(self, step, batch_size, windows):
         """One optimizer step of `batch_size` tokens (as scheduled for `step`): `accum` micro-batches
-        forward and backward, the optimizers. Returns [the step's loss, the ranks that got a stop signal],
-        summed over ranks, as a device tensor (reading it waits for the GPU); no host-device
-        synchronization happens inside."""
+        forward and backward, the optimizers. Returns [the step's loss, the ranks that got a stop signal]
+        as a device tensor, summed over ranks once self.reduction (async; None alone) is waited for;
+        no host-device synchronization happens inside."""
         rank_tokens = tokens_per_rank(batch_size, self.world_size, self.accum)
         self.model.train()
         mtp = None if self.mtp_weights is None else self.mtp_weights[step]
@@ -3611,12 +3685,12 @@ class Trainer:
             total += loss.detach()
         if self.stop.received:
             stop_votes += 1
-        if self.world_size > 1:
-            # one all-reduce: a non-finite loss or a stop signal on any rank stops every rank at the same step
-            dist.all_reduce(totals)
         step_optimizers(step, self.matrix_opt, self.adam, self.untie_at)
         if self.fp8_mlp is not None:
             self.fp8_mlp.quantize(self.model.layers, bootstrap=step < FP8MLPWeights.BOOTSTRAP_STEPS)
+        # one all-reduce, after the optimizers' collectives (it would hold them up before): a non-finite
+        # loss or a stop signal on any rank stops every rank at the same step
+        self.reduction = dist.all_reduce(totals, async_op=True) if self.world_size > 1 else None
         self.tokens_seen += rank_tokens * self.accum * self.world_size
         return totals
 
@@ -3725,7 +3799,7 @@ class Trainer:
             if last:
                 break
             self.profiler.at(step, self.rank)
-            stopping |= loss_check.push(step, self.train_step(step, batch_size, windows))
+            stopping |= loss_check.push(step, self.train_step(step, batch_size, windows), self.reduction)
             self.step = step + 1
             self.log_step(self.step)
             if stopping and checkpoint_complete_after(self.step):
