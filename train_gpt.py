@@ -77,6 +77,8 @@ class Hyperparameters:
     batch_sizes: tuple = hp_field((131072, 262144, 393216), "tokens per optimizer step in each third of the run")
     max_seq_len: int = hp_field(2048, "longest document piece in a training batch")
     grad_accum_base: int = hp_field(8, "world size with one micro-step per step; fewer ranks accumulate base/world")
+    micro_batch_tokens: int = hp_field(0, "most tokens per forward/backward per rank: longer micro-steps run as "
+                                          "ceil(tokens / N) near-equal pieces whose gradients add up (0: no cap)")
     lr_multipliers: tuple = hp_field((1.0, 1.51, 1.93), "lr multiplier in each third (batch-size ratio ^ 0.6)")
     cooldown_frac: float = hp_field(0.55, "fraction of scheduled steps over which lr cools down linearly")
     final_lr_multiplier: float = hp_field(0.1, "lr multiplier at the end of cooldown and during extension")
@@ -220,7 +222,7 @@ VALUE_RULES = [
       "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "shampoo_lr", "shampoo_graft_eps",
       "shampoo_precondition_frequency", "factor_max_dim", "soap_lr", "soap_eps", "soap_precondition_frequency",
       "adamw_lr", "adamw_eps"), lambda v: v > 0, "must be positive"),
-    (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads",
+    (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads", "micro_batch_tokens",
       "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd", "adam_wd", "lr_multipliers",
       "final_lr_multiplier", "shampoo_wd", "shampoo_eps", "soap_wd", "adamw_wd"), lambda v: v >= 0, "must be >= 0"),
     (("window_blocks", "extension_window_blocks"), lambda v: v >= 2, "must be at least 2 (short window = long // 2 blocks)"),
@@ -477,6 +479,31 @@ def to_device(inputs, targets, cu_seqlens, device):
     return [t.to(device) for t in tensors]
 
 
+def model_inputs(window, doc_lengths, device):
+    """What GPT.forward takes for a window of tokens (inputs window[:-1], targets window[1:]) whose
+    inputs are documents of `doc_lengths` (a longer last length is cut): (inputs, targets, cu_seqlens)
+    on `device`. Training pieces, validation batches and tools/sample.py all go through here."""
+    positions = len(window) - 1
+    return to_device(window[:-1], window[1:], padded_cu_seqlens(doc_lengths, positions), device)
+
+
+def piece_bounds(tokens, max_piece_tokens):
+    """[(start, stop)] of the ceil(tokens / max_piece_tokens) pieces a micro-step runs as: consecutive and
+    near-equal (lengths differ by at most one), so a stage compiles at most two piece lengths. The cuts sit
+    at fixed positions: with static shapes, moving one to a document start would take padding."""
+    count = -(-tokens // max_piece_tokens)
+    edges = [i * tokens // count for i in range(count + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def cut_lengths(doc_lengths, start, stop):
+    """Lengths of the documents of a sequence inside [start, stop): a document the edges cut through keeps
+    its part inside (the piece treats that part as a document of its own)."""
+    ends = np.cumsum(doc_lengths)
+    inside = np.minimum(ends, stop) - np.maximum(ends - doc_lengths, start)
+    return inside[inside > 0]
+
+
 class TrainLoader:
     """BOS-aligned batches for one rank. The walk over documents is the same on every rank (each
     computes the global plan and keeps its own part), so ranks never need to talk about data."""
@@ -546,6 +573,11 @@ class TrainLoader:
 
     def next_batch(self, rank_tokens, max_seq_len):
         """(inputs, targets, cu_seqlens) of rank_tokens tokens each for this rank."""
+        return self.next_pieces(rank_tokens, max_seq_len, rank_tokens)[0]
+
+    def next_pieces(self, rank_tokens, max_seq_len, max_piece_tokens):
+        """This rank's next micro-step of rank_tokens tokens as the model inputs of its piece_bounds pieces
+        of at most max_piece_tokens each. The walk over documents does not depend on max_piece_tokens."""
         for _ in range(2 * len(self.files) + 1):
             plan = None
             if not self.bos.complete:
@@ -563,7 +595,8 @@ class TrainLoader:
         pieces, self.cursor = plan
         starts, lengths = pieces[self.rank]
         buf = gather_pieces(self.tokens, starts, lengths)
-        return to_device(buf[:-1], buf[1:], padded_cu_seqlens(lengths, rank_tokens), self.device)
+        return [model_inputs(buf[start: stop + 1], cut_lengths(lengths, start, stop), self.device)
+                for start, stop in piece_bounds(rank_tokens, max_piece_tokens)]
 
 
 def read_validation_tokens(pattern, count, vocab_size=None):
@@ -592,10 +625,8 @@ def validation_batches(tokens, val_tokens, val_batch_size, rank, world_size, acc
     for start in range(0, val_tokens, chunk * world_size):
         begin = start + rank * chunk
         buf = tokens[begin: begin + chunk + 1]
-        inputs = buf[:-1]
-        starts = np.flatnonzero(inputs == BOS_ID)
-        lengths = np.diff(np.concatenate([[0], starts[starts > 0], [chunk]]))
-        yield to_device(inputs, buf[1:], padded_cu_seqlens(lengths, chunk), device)
+        starts = np.flatnonzero(buf[:-1] == BOS_ID)
+        yield model_inputs(buf, np.diff(np.concatenate([[0], starts[starts > 0], [chunk]])), device)
 
 
 def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512, topics=8):
@@ -2249,10 +2280,11 @@ def load_checkpoint(path):
     return snap
 
 
-# Settings that may differ when resuming: they do not change the training trajectory.
+# Settings that may differ when resuming: they do not change the training trajectory, except
+# micro_batch_tokens, which only moves the cuts of micro-steps into pieces (resuming logs the change).
 RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force", "profile", "cpu_threads",
                      "val_loss_every", "warmup_steps", "device", "compile", "fp8", "seed", "train_files", "val_files",
-                     "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size"}
+                     "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size", "micro_batch_tokens"}
 MODEL_SHAPE_FLAGS = ("vocab_size", "num_layers", "num_heads", "head_dim", "model_dim", "matrix_optimizer")
 
 
@@ -2345,6 +2377,20 @@ def failing_together(device):
             raise ConfigError("another process stopped during setup (its message is above)")
     if error is not None:
         raise error
+
+
+def micro_step_pieces(hp, world_size, accum):
+    """{tokens of a micro-step per rank: its pieces' lengths} for each batch size of the run."""
+    pieces = {}
+    for batch in hp.batch_sizes:
+        tokens = tokens_per_rank(batch, world_size, accum)
+        pieces[tokens] = [stop - start for start, stop in piece_bounds(tokens, hp.micro_batch_tokens or tokens)]
+    return pieces
+
+
+def describe_pieces(pieces):
+    return ", ".join(f"{tokens:,} as {len(lengths)} x {'/'.join(f'{n:,}' for n in sorted(set(lengths), reverse=True))}"
+                     for tokens, lengths in pieces.items())
 
 
 def check_batch_splits(hp, world_size, accum):
@@ -2498,6 +2544,9 @@ class Trainer:
             self.log(f"args: {json.dumps(list(argv))}", console=False)
             self.log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
             self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
+            if hp.micro_batch_tokens:
+                self.log(f"micro_batch_tokens {hp.micro_batch_tokens}: micro-steps of "
+                         f"{describe_pieces(micro_step_pieces(hp, self.world_size, self.accum))} tokens")
             train_pattern, val_pattern, data_description = resolve_data(hp, self.rank)
             self.log(f"data: {data_description}")
             self.val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
@@ -2533,16 +2582,19 @@ class Trainer:
 
     def train_step(self, step, batch_size, windows):
         """One optimizer step of `batch_size` tokens (as scheduled for `step`): `accum` micro-batches
-        forward and backward, the optimizers. Returns the step's loss summed over ranks, as a device
-        tensor (reading it waits for the GPU); no host-device synchronization happens inside."""
+        forward and backward (each in pieces of at most --micro_batch_tokens), the optimizers. Returns the
+        step's loss summed over ranks, as a device tensor (reading it waits for the GPU); no host-device
+        synchronization happens inside."""
         rank_tokens = tokens_per_rank(batch_size, self.world_size, self.accum)
         self.model.train()
         total = torch.zeros((), device=self.device)
         for _ in range(self.accum):
-            inputs, targets, cu_seqlens = self.loader.next_batch(rank_tokens, self.hp.max_seq_len)
-            loss = self.forward(inputs, targets, cu_seqlens, self.windows[windows]) / self.accum
-            loss.backward()
-            total += loss.detach()
+            # the training loss is a sum over tokens, so the pieces' losses add up to the micro-step's
+            for inputs, targets, cu_seqlens in self.loader.next_pieces(rank_tokens, self.hp.max_seq_len,
+                                                                       self.hp.micro_batch_tokens or rank_tokens):
+                loss = self.forward(inputs, targets, cu_seqlens, self.windows[windows]) / self.accum
+                loss.backward()
+                total += loss.detach()
         if self.world_size > 1:
             dist.all_reduce(total)  # a non-finite loss on any rank stops every rank at the same step
         step_optimizers(step, self.matrix_opt, self.adam)
@@ -2597,6 +2649,10 @@ class Trainer:
         moved = f" (written by {snap['world_size']} processes, continued on {self.world_size})" \
             if snap["world_size"] != self.world_size else ""
         self.log(f"resumed from {path} at step {self.step}{moved}")
+        written_with = snap["hyperparameters"].get("micro_batch_tokens", 0)
+        if written_with != self.hp.micro_batch_tokens:
+            self.log(f"--micro_batch_tokens changes from {written_with} (the checkpoint's run) to "
+                     f"{self.hp.micro_batch_tokens}: the same data from here on, cut into other pieces")
 
     def checkpoint(self, tag):
         """Write a checkpoint (rank 0). A failed periodic write only warns: training goes on and the
