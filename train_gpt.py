@@ -936,6 +936,16 @@ class GPT(nn.Module):
         x = norm(x - lam["backout"] * backout)
         return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training, self.use_fp8)
 
+    def next_token_logits(self, input_seq, cu_seqlens, window_blocks):
+        """Softcapped float32 logits (padded vocabulary) of the token after input_seq: forward itself, its
+        head's loss swapped for the last position's logits (tools/sample.py)."""
+        head_loss = self.head_loss
+        self.head_loss = lambda x, weight, *_: softcapped(head_matmul(x[-1:], weight, False))[0]
+        try:
+            return self(input_seq, input_seq, cu_seqlens, window_blocks)
+        finally:
+            self.head_loss = head_loss
+
 
 def initial_scalars(num_layers):
     """resid λ (1.1) x L, x0 λ (0) x L, attention λ pairs (0.5, 1.0) x L, smear λ 0, backout λ 0.5,
