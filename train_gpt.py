@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import functools
 import glob
 import hashlib
 import heapq
@@ -29,6 +30,8 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
+import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -39,6 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
     import triton
@@ -134,6 +139,10 @@ class Hyperparameters:
     force: bool = hp_field(False, "resume even if the checkpoint was written by a different script or with other training settings")
     profile: str = hp_field("", "START:END steps to record with the PyTorch profiler (Chrome trace next to the log)")
     cpu_threads: int = hp_field(0, "torch threads per process on CPU (0: cores / local processes)")
+    plan_memory: bool = hp_field(False, "print the predicted memory per GPU of this run (traced with fake tensors, "
+                                        "world size from $WORLD_SIZE) and exit without training")
+    gpu_memory_gb: float = hp_field(80.0, "memory of one GPU in GiB: --plan_memory names the largest "
+                                          "--micro_batch_tokens whose predicted peak fits it")
 
 
 PRESETS = {
@@ -221,7 +230,7 @@ VALUE_RULES = [
       "num_scheduled_iterations", "batch_sizes", "max_seq_len", "grad_accum_base", "window_block_tokens",
       "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "shampoo_lr", "shampoo_graft_eps",
       "shampoo_precondition_frequency", "factor_max_dim", "soap_lr", "soap_eps", "soap_precondition_frequency",
-      "adamw_lr", "adamw_eps"), lambda v: v > 0, "must be positive"),
+      "adamw_lr", "adamw_eps", "gpu_memory_gb"), lambda v: v > 0, "must be positive"),
     (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads", "micro_batch_tokens",
       "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd", "adam_wd", "lr_multipliers",
       "final_lr_multiplier", "shampoo_wd", "shampoo_eps", "soap_wd", "adamw_wd"), lambda v: v >= 0, "must be >= 0"),
@@ -1196,11 +1205,17 @@ def build_model(hp, device):
     model = GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, hp.window_block_tokens).to(device)
     if device.type != "cuda":
         return use_cpu_fallbacks(model)
+    return use_gpu_paths(model, use_fp8=hp.fp8 == "on" or (hp.fp8 == "auto" and fp8_supported(device)),
+                         attention=FlexWindowAttention(compile_kernel=not hp.compile))
+
+
+def use_gpu_paths(model, use_fp8, attention):
+    """The GPU paths: bf16 embeddings and gates (as in the reference), the FP8 head if use_fp8, `attention`."""
     for p in [model.lm_head.weight, *model.value_embeds, model.smear_gate_w,
               *(block.attn.gate_w for block in model.blocks if block.attn is not None)]:
         p.data = p.data.to(torch.bfloat16)
-    model.use_fp8 = hp.fp8 == "on" or (hp.fp8 == "auto" and fp8_supported(device))
-    model.attention = FlexWindowAttention(compile_kernel=not hp.compile)
+    model.use_fp8 = use_fp8
+    model.attention = attention
     return model
 
 # ----------------------------------------------------------------------------------------------
@@ -2294,7 +2309,8 @@ def load_checkpoint(path):
 # micro_batch_tokens, which only moves the cuts of micro-steps into pieces (resuming logs the change).
 RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force", "profile", "cpu_threads",
                      "val_loss_every", "warmup_steps", "device", "compile", "fp8", "seed", "train_files", "val_files",
-                     "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size", "micro_batch_tokens"}
+                     "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size", "micro_batch_tokens",
+                     "plan_memory", "gpu_memory_gb"}
 MODEL_SHAPE_FLAGS = ("vocab_size", "num_layers", "num_heads", "head_dim", "model_dim", "matrix_optimizer")
 
 
@@ -2748,6 +2764,242 @@ class Trainer:
         return val_losses
 
 # ----------------------------------------------------------------------------------------------
+# Memory plan (--plan_memory): one training step and one validation forward of the run, traced with
+# fake tensors (shapes and dtypes, no data: no GPU is touched), counting every tensor storage while it lives
+
+CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
+# The share of --gpu_memory_gb a plan may fill: the rest is for the CUDA context, library workspaces,
+# communication buffers and the allocator's fragmentation, none of which the trace sees.
+PLAN_USABLE_FRACTION = 0.9
+PLAN_PIECE_STEP = ATTN_BLOCK  # --micro_batch_tokens values the plan searches: multiples of the attention tile
+GiB = 2 ** 30
+
+
+class LiveMemory(TorchDispatchMode):
+    """The bytes of the tensor storages alive and their peak, as an allocator's 'allocated' counter sees an
+    eager run: every storage an op creates while the mode is on (an output sharing no input's storage), and
+    every one passed to track(), counts until it dies (a storage keeps one Python object for its whole
+    life, so a weak reference to that object says when)."""
+
+    def __init__(self, block_bytes=CUDA_BLOCK_BYTES):
+        super().__init__()
+        self.block_bytes, self.live, self.peak, self._alive = block_bytes, 0, 0, {}
+
+    def track(self, tensor):
+        storage = tensor.untyped_storage()
+        ref = self._alive.get(id(storage))
+        if ref is not None and ref() is storage:
+            return
+        size = -(-storage.nbytes() // self.block_bytes) * self.block_bytes
+        self._alive[id(storage)] = weakref.ref(storage, functools.partial(self._free, id(storage), size))
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, key, size, ref):
+        if self._alive.get(key) is ref:
+            del self._alive[key]
+            self.live -= size
+
+    def reset_peak(self):
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:  # views and in-place ops
+                self.track(t)                                                          # make no storage
+        return out
+
+
+class FusedAttentionFootprint(torch.autograd.Function):
+    """The memory of a fused attention kernel (compiled FlexAttention, FlashAttention), which a trace cannot
+    see into: the forward keeps q, k, v, its output and a float32 log-sum-exp per query and head; the
+    backward makes the three gradients and a float32 term per query and head. No score matrix."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:2], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        torch.empty_like(lse)  # the kernel's per-query term, freed when the backward returns
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class PlannedAttention:
+    """FlexWindowAttention's memory for the plan; its block mask (a few n_tiles^2 int32) is left out."""
+
+    @staticmethod
+    def mask(docs, window_tokens):
+        return None
+
+    def __call__(self, q, k, v, mask, scale):
+        return FusedAttentionFootprint.apply(q, k, v)
+
+
+def planned_model(hp, gpu_path):
+    """The run's model (made under a FakeTensorMode: no memory): the GPU paths (fused attention's footprint;
+    the FP8 head unless --fp8 off) or, for --device cpu, the CPU path."""
+    model = GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, hp.window_block_tokens)
+    if not gpu_path:
+        return use_cpu_fallbacks(model)
+    return use_gpu_paths(model, use_fp8=hp.fp8 != "off", attention=PlannedAttention())
+
+
+@contextlib.contextmanager
+def fake_world(world_size):
+    """This process as rank 0 of `world_size` ranks whose collectives do nothing (torch's fake process
+    group), so the optimizers shard their state as in the real run."""
+    if world_size == 1:
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class MemoryPlan:
+    """Rank 0's memory in one training step and one validation forward of a run of `world_size` processes:
+    `static` (parameters, gradients, each optimizer's state) from a traced first step, then each piece length
+    traced on demand (piece_figures). Everything runs on fake CPU tensors, so the CPU's kernels are chosen
+    where torch picks one by device (e.g. its fused attention for the CPU path's SDPA; the meta device would
+    take the unfused one); the GPU path's attention is FusedAttentionFootprint."""
+
+    def __init__(self, hp, world_size, gpu_path=True):
+        self.hp, self.world_size, self.gpu_path = hp, world_size, gpu_path
+        self.accum = grad_accum_steps(hp, world_size)
+        check_batch_splits(hp, world_size, self.accum)
+        self.windows = window_blocks_at(hp.num_scheduled_iterations + hp.num_extension_iterations, hp)
+        self.fake, self.live = FakeTensorMode(), LiveMemory()
+        self._pieces = {}
+        with warnings.catch_warnings(), fake_world(world_size), self.fake, self.live:
+            self.model = planned_model(hp, gpu_path)
+            warnings.simplefilter("ignore")  # deprecation notices of collectives that do nothing here
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                self.live.track(t)
+            self.static = {"parameters": self.live.live}
+            self.optimizers = make_optimizers(self.model, hp)
+            if isinstance(self.optimizers[0], NorMuon):  # Triton cannot run on fake tensors; same buffers
+                self.optimizers[0].polar = dict(GPU_POLAR_EXPRESS, use_triton=False) if gpu_path else CPU_POLAR_EXPRESS
+            self._run_piece(PLAN_PIECE_STEP)
+            self.static["gradients"] = sum(self._storage_bytes(p.grad) for p in self.model.parameters())
+            self.live.reset_peak()
+            for optimizer in self.optimizers:  # an odd step: both optimizers make their state
+                before = self.live.live
+                optimizer.step()
+                self.static[f"optimizer state {type(optimizer).__name__}"] = self.live.live - before
+            self.step_peak = self.live.peak
+            # the gradients stay: every piece after this one runs with all of them, as a micro-step after
+            # the first does (and DistAdam's gradients accumulate over two steps)
+
+    def _storage_bytes(self, tensor):
+        return -(-tensor.untyped_storage().nbytes() // self.live.block_bytes) * self.live.block_bytes
+
+    def _run_piece(self, tokens, training=True):
+        """One forward of `tokens` positions (and its backward in training) under the tracker: the bytes the
+        forward leaves alive, before and after the head ({"trunk": ..., "head": ...})."""
+        before, marks = self.live.live, {}
+        inputs = [self.fake.from_tensor(t) for t in model_inputs(np.full(tokens + 1, BOS_ID), [tokens], torch.device("cpu"))]
+        for t in inputs:  # the batch is made for the piece
+            self.live.track(t)
+        head_loss = self.model.head_loss
+
+        def head_loss_marked(*args):
+            marks["head"] = self.live.live
+            return head_loss(*args)
+
+        self.model.head_loss = head_loss_marked
+        self.model.train(training)
+        try:
+            with torch.set_grad_enabled(training):
+                loss = self.model(*inputs, self.windows)
+            kept = {"trunk": marks["head"] - before, "head": self.live.live - marks["head"]}
+            if training:
+                loss.backward()
+        finally:
+            self.model.head_loss = head_loss
+        return kept
+
+    def piece_figures(self, tokens):
+        """{"trunk", "head": bytes saved for the backward, "peak": the training step's peak} of a piece."""
+        if tokens not in self._pieces:
+            with self.fake, self.live:
+                self.live.reset_peak()
+                kept = self._run_piece(tokens)
+                self._pieces[tokens] = dict(kept, peak=max(self.live.peak, self.step_peak))
+        return self._pieces[tokens]
+
+    def validation_figures(self):
+        """(tokens per forward, the peak of a validation forward after an even step: the matrix optimizer's
+        gradients are gone (traced with them, then taken off), DistAdam's still accumulate)."""
+        tokens = tokens_per_rank(self.hp.val_batch_size, self.world_size, self.accum, what="--val_batch_size")
+        with self.fake, self.live:
+            self.live.reset_peak()
+            self._run_piece(tokens, training=False)
+        matrix_grads = sum(self._storage_bytes(p.grad) for group in self.optimizers[0].param_groups
+                           for p in group["params"])
+        return tokens, self.live.peak - matrix_grads
+
+    def largest_piece(self, micro_batch_tokens):
+        hp = dataclasses.replace(self.hp, micro_batch_tokens=micro_batch_tokens)
+        return max(max(lengths) for lengths in micro_step_pieces(hp, self.world_size, self.accum).values())
+
+    def largest_fitting_cap(self, budget_bytes, val_peak):
+        """The largest --micro_batch_tokens (written as its largest piece, which gives the same pieces) whose
+        training peak and val_peak stay within budget_bytes; 0 if the run fits uncut, None if none fits."""
+        longest = self.largest_piece(0)
+        if val_peak > budget_bytes or self.piece_figures(PLAN_PIECE_STEP)["peak"] > budget_bytes:
+            return None
+        if self.piece_figures(longest)["peak"] <= budget_bytes:
+            return 0
+        low, high = 1, longest // PLAN_PIECE_STEP  # multiples of PLAN_PIECE_STEP: low fits, high does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            fits = self.piece_figures(self.largest_piece(middle * PLAN_PIECE_STEP))["peak"] <= budget_bytes
+            low, high = (middle, high) if fits else (low, middle)
+        return self.largest_piece(low * PLAN_PIECE_STEP)
+
+
+def plan_report(hp, world_size):
+    """The lines --plan_memory prints; the last reads 'predicted peak per GPU: X GiB' (per process on CPU)."""
+    gpu_path = hp.device != "cpu"
+    plan = MemoryPlan(hp, world_size, gpu_path)
+    pieces = micro_step_pieces(hp, world_size, plan.accum)
+    piece = plan.largest_piece(hp.micro_batch_tokens)
+    figures = plan.piece_figures(piece)
+    val_tokens, val_peak = plan.validation_figures()
+    paths = f"GPU paths ({'FP8' if hp.fp8 != 'off' else 'bf16'} head, fused attention)" if gpu_path else "CPU path"
+    lines = [f"memory plan (predicted: eager accounting, fake tensors) for rank 0 of {world_size} process(es), "
+             f"{paths}, {plan.accum} micro-step(s) per step of {describe_pieces(pieces)} tokens"]
+    rows = [*plan.static.items(), (f"activations saved, {piece:,}-token piece", figures["trunk"]),
+            (f"head logits saved, {piece:,}-token piece", figures["head"]), ("training peak", figures["peak"]),
+            (f"validation peak, {val_tokens:,}-token forward", val_peak)]
+    lines += [f"  {name:<44} {size / GiB:8.2f} GiB" for name, size in rows]
+    peak = max(figures["peak"], val_peak)
+    if gpu_path:
+        budget = hp.gpu_memory_gb * PLAN_USABLE_FRACTION * GiB
+        cap = plan.largest_fitting_cap(budget, val_peak)
+        fit = f"largest --micro_batch_tokens that fits --gpu_memory_gb {hp.gpu_memory_gb:g} ({budget / GiB:.1f} GiB usable): "
+        if cap is None:
+            fit += "none (the validation forward or the static memory alone does not fit; lower --val_batch_size or use more GPUs)"
+        elif cap == 0:
+            fit += "any: the run fits uncut (0)"
+        else:
+            cut = micro_step_pieces(dataclasses.replace(hp, micro_batch_tokens=cap), world_size, plan.accum)
+            fit += f"{cap} (training peak {plan.piece_figures(cap)['peak'] / GiB:.2f} GiB; micro-steps of {describe_pieces(cut)} tokens)"
+        lines.append(fit)
+    lines.append(f"predicted peak per {'GPU' if gpu_path else 'process'}: {peak / GiB:.2f} GiB")
+    return lines
+
+# ----------------------------------------------------------------------------------------------
 # main(): parse, train, and turn bad input into one line
 
 
@@ -2767,6 +3019,11 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     try:
         hp = parse_args(argv)
+        if hp.plan_memory:  # before anything touches a GPU; under torchrun, rank 0 prints
+            lines = plan_report(hp, int(os.environ.get("WORLD_SIZE", 1)))
+            if int(os.environ.get("RANK", 0)) == 0:
+                print("\n".join(lines))
+            return None
         trainer = Trainer(hp, portable_argv(argv))
         return trainer.run()
     except (ConfigError, DataError, FloatingPointError) as e:

@@ -7,8 +7,8 @@ Checks: versions and device; the kernel and GPU test files; the FP8 head against
 stage-3 shape (loss and both gradients); then the record model on a synthetic corpus with the
 record's warm-up: graphs compiled inside the timed loop (must be 0), tokens/s per GPU at the stage-3
 batch (the 8xH100 record pace needs >= 543,000 per GPU before communication), train and validation
-peak memory (must fit an 80 GB H100), host syncs inside a training step (must be 0) and the
-compiled against the eager loss (< 5e-3 per token). Exit status 1 if any check fails.
+peak memory (must fit an 80 GB H100) and --plan_memory's prediction of it (must not be below it), host syncs
+inside a training step (must be 0) and the compiled against the eager loss (< 5e-3 per token). Exit status 1 if any check fails.
 """
 import argparse
 import os
@@ -226,15 +226,30 @@ def record_model(device, dry_run):
         train_peak, eval_peak = trainer.stats.train_peak_bytes(), trainer.stats.eval_peak_bytes
         check("memory", train_peak < H100_BYTES and eval_peak < H100_BYTES,
               f"peak allocated: training {train_peak / 2**30:.1f} GiB, validation {eval_peak / 2**30:.1f} GiB")
+        memory_plan(trainer, train_peak, eval_peak)
     else:
         report("SKIP", "throughput", f"{pace} (CPU dry run: no target)")
         report("SKIP", "memory", "CPU dry run")
+        report("SKIP", "memory_plan", "CPU dry run")
     syncs, kinds = count_host_syncs(trainer, stage3)
     expected = 0 if device.type == "cuda" else 2 * trainer.accum  # CPU: the tiled attention reads its 2 windows
     check("host_syncs_per_step", syncs == expected, f"{syncs} in one train_step (documented: {expected}); {kinds}")
     compiled_vs_eager(trainer, device)
     trainer.loader.close()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@guarded
+def memory_plan(trainer, train_peak, eval_peak):
+    """--plan_memory's prediction (eager accounting, meant as an upper bound of the compiled run) against the
+    measured peaks."""
+    plan = tg.MemoryPlan(trainer.hp, trainer.world_size)
+    predicted = plan.piece_figures(plan.largest_piece(trainer.hp.micro_batch_tokens))["peak"]
+    _, predicted_eval = plan.validation_figures()
+    check("memory_plan", train_peak <= predicted and eval_peak <= predicted_eval,
+          f"training: predicted {predicted / 2**30:.2f} GiB, measured {train_peak / 2**30:.2f} GiB "
+          f"({train_peak / predicted:.2f}x); validation: predicted {predicted_eval / 2**30:.2f} GiB, measured "
+          f"{eval_peak / 2**30:.2f} GiB ({eval_peak / predicted_eval:.2f}x)")
 
 
 def unique_graphs():
