@@ -4,7 +4,8 @@ One file on purpose: records copy it verbatim. The sections follow one batch: co
 data (shards, the BOS-aligned loader) -> model -> head (FP8 matmul, softcapped loss) -> CPU fallbacks
 (attention and loss chosen once in build_model, Polar Express's fp32 path in make_optimizers) ->
 optimizers (Polar Express, NorMuon, DistAdam; make_optimizers) -> track-3 optimizers (Shampoo, SOAP,
-AdamW, registered in TRACK3_OPTIMIZERS) -> schedules -> training loop (Trainer) -> main().
+AdamW, registered in TRACK3_OPTIMIZERS) -> schedules -> training loop (Trainer) -> memory plan
+(--plan_memory, traced with fake tensors) -> main().
 Run with `./run.sh` (torchrun over all GPUs) or `python train_gpt.py --preset cpu`.
 Importing this module registers two torch ops (speedrun::mm_fp8 and speedrun::mm_fp8_backward) and
 does nothing else; main() runs only under __main__.
