@@ -1,16 +1,12 @@
 #!/usr/bin/env bash
 # Launch train_gpt.py on every visible GPU (torchrun), or the `cpu` preset on one process without a GPU.
 # Extra arguments pass through, e.g. ./run.sh --val_loss_every 125
-<<<<<<< HEAD
 # $PYTHON picks the interpreter (default python3: many CUDA images have no `python`).
-set -euo pipefail
-cd "$(dirname "$0")"
-python=${PYTHON:-python3}
-=======
 # RESTARTS=K: torchrun restarts the workers up to K times after a crash, and they continue from the newest
 # checkpoint (--resume auto with a run id made here unless you pass --run_id; add --save_every N).
 set -euo pipefail
 cd "$(dirname "$0")"
+python=${PYTHON:-python3}
 args=("$@")
 launch=(--standalone)
 if [ "${RESTARTS:-0}" -gt 0 ]; then
@@ -28,22 +24,14 @@ if [ "${RESTARTS:-0}" -gt 0 ]; then
 fi
 # the agent passes SIGUSR1 (SLURM's --signal) on to the workers, which checkpoint and stop, as for SIGTERM
 export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
->>>>>>> h-recovery
 # torch's count honours CUDA_VISIBLE_DEVICES (nvidia-smi -L lists every GPU of the machine)
 gpus=$("$python" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+# torchrun through the same interpreter (the torchrun on PATH may belong to another one)
 if [ "${gpus:-0}" -gt 0 ]; then
-<<<<<<< HEAD
-  # torchrun through the same interpreter (the torchrun on PATH may belong to another one)
-  exec "$python" -m torch.distributed.run --standalone --nproc_per_node="$gpus" train_gpt.py "$@"
-fi
-echo "run.sh: no GPU found; running the cpu preset on one process" >&2
-exec "$python" train_gpt.py --preset cpu "$@"
-=======
-  exec torchrun "${launch[@]}" --nproc_per_node="$gpus" train_gpt.py "${args[@]}"
+  exec "$python" -m torch.distributed.run "${launch[@]}" --nproc_per_node="$gpus" train_gpt.py "${args[@]}"
 fi
 echo "run.sh: no GPU found; running the cpu preset on one process" >&2
 if [ "${RESTARTS:-0}" -gt 0 ]; then
-  exec torchrun "${launch[@]}" --nproc_per_node=1 train_gpt.py --preset cpu "${args[@]}"
+  exec "$python" -m torch.distributed.run "${launch[@]}" --nproc_per_node=1 train_gpt.py --preset cpu "${args[@]}"
 fi
-exec python train_gpt.py --preset cpu "${args[@]}"
->>>>>>> h-recovery
+exec "$python" train_gpt.py --preset cpu "${args[@]}"

@@ -4,7 +4,8 @@ One file on purpose: records copy it verbatim. The sections follow one batch: co
 data (shards, the BOS-aligned loader) -> model -> head (FP8 matmul, softcapped loss) -> CPU fallbacks
 (attention and loss chosen once in build_model, Polar Express's fp32 path in make_optimizers) ->
 optimizers (Polar Express, NorMuon, DistAdam; make_optimizers) -> track-3 optimizers (Shampoo, SOAP,
-AdamW, registered in TRACK3_OPTIMIZERS) -> schedules -> training loop (Trainer) -> main().
+AdamW, registered in TRACK3_OPTIMIZERS) -> schedules -> training loop (Trainer) -> memory plan
+(--plan_memory, traced with fake tensors) -> main().
 Run with `./run.sh` (torchrun over all GPUs) or `python train_gpt.py --preset cpu`.
 Importing this module registers two torch ops (speedrun::mm_fp8 and speedrun::mm_fp8_backward) and
 does nothing else; main() runs only under __main__.
@@ -16,6 +17,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import functools
 import glob
 import hashlib
 import heapq
@@ -32,6 +34,8 @@ import sys
 import threading
 import time
 import uuid
+import warnings
+import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
@@ -43,6 +47,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
     import triton
@@ -122,6 +128,8 @@ class Hyperparameters:
     max_seq_len: int = hp_field(2048, "longest document piece in a training batch")
     first_stage_max_seq_len: int = hp_field(896, "longest document piece in the first third (off: 0, --max_seq_len)")
     grad_accum_base: int = hp_field(8, "world size with one micro-step per step; fewer ranks accumulate base/world")
+    micro_batch_tokens: int = hp_field(0, "most tokens per forward/backward per rank: longer micro-steps run as "
+                                          "ceil(tokens / N) near-equal pieces whose gradients add up (0: no cap)")
     lr_multipliers: tuple = hp_field((1.0, 1.52, 1.73), "lr multiplier in each third")
     schedule_rule: str = hp_field("boundaries", "boundaries: thirds end at round(n k / 3), the lr multiplier "
                                                 "switches with them and cools down from int(n (1 - frac)); progress "
@@ -188,6 +196,10 @@ class Hyperparameters:
     force: bool = hp_field(False, "resume even if the checkpoint was written by a different script or with other training settings")
     profile: str = hp_field("", "START:END steps to record with the PyTorch profiler (Chrome trace next to the log)")
     cpu_threads: int = hp_field(0, "torch threads per process on CPU (0: cores / local processes)")
+    plan_memory: bool = hp_field(False, "print the predicted memory per GPU of this run (traced with fake tensors, "
+                                        "world size from $WORLD_SIZE) and exit without training")
+    gpu_memory_gb: float = hp_field(80.0, "memory of one GPU in GiB: --plan_memory names the largest "
+                                          "--micro_batch_tokens whose predicted peak fits it")
 
 
 # --recipe NAME sets these before the preset's values; every idea of recipe 89 is off in retie.
@@ -293,8 +305,8 @@ VALUE_RULES = [
       "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "shampoo_lr", "shampoo_graft_eps", "bigram_dim",
       "softcap_scale", "head_fp8_amax",
       "shampoo_precondition_frequency", "factor_max_dim", "soap_lr", "soap_eps", "soap_precondition_frequency",
-      "adamw_lr", "adamw_eps"), lambda v: v > 0, "must be positive"),
-    (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads",
+      "adamw_lr", "adamw_eps", "gpu_memory_gb"), lambda v: v > 0, "must be positive"),
+    (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads", "micro_batch_tokens",
       "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd", "adam_wd", "lr_multipliers",
       "final_lr_multiplier", "shampoo_wd", "shampoo_eps", "soap_wd", "adamw_wd", "bigram_vocab_size", "bigram_sign_rows",
       "value_embed_std", "mudd_dim", "first_stage_max_seq_len", "mtp_weights_start", "mtp_weights_end",
@@ -584,15 +596,42 @@ class Batch(NamedTuple):
     bigram_ids: Tensor | None  # int32 hashed bigrams (recipe 89's bigram embedding), or None
 
 
-def to_device(inputs, targets, cu_seqlens, device, bigram_rows=0):
-    """A Batch on `device` (pinned + non_blocking on CUDA); the bigram ids are hashed here, on the host."""
-    tensors = [torch.from_numpy(inputs.astype(np.int32)), torch.from_numpy(targets.astype(np.int64)),
-               torch.from_numpy(cu_seqlens)] + ([torch.from_numpy(bigram_hash(inputs, bigram_rows))] if bigram_rows else [])
+def to_device(inputs, targets, cu_seqlens, device, bigram_ids=None):
+    """A Batch on `device` (pinned + non_blocking on CUDA)."""
+    arrays = [inputs.astype(np.int32), targets.astype(np.int64), cu_seqlens] + \
+        ([] if bigram_ids is None else [np.ascontiguousarray(bigram_ids)])
+    tensors = [torch.from_numpy(a) for a in arrays]
     if device.type == "cuda":
         tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
     else:
         tensors = [t.to(device) for t in tensors]
-    return Batch(*tensors[:3], tensors[3] if bigram_rows else None)
+    return Batch(*tensors[:3], tensors[3] if bigram_ids is not None else None)
+
+
+def model_inputs(window, doc_lengths, device, bigram_ids=None):
+    """The Batch the models take for a window of tokens (inputs window[:-1], targets window[1:]) whose
+    inputs are documents of `doc_lengths` (a longer last length is cut), with the inputs' hashed bigram
+    ids if the model has a bigram embedding (bigram_hash, over the sequence the ids belong to). Training
+    pieces, validation batches, tools/sample.py and the memory plan all go through here."""
+    positions = len(window) - 1
+    return to_device(window[:-1], window[1:], padded_cu_seqlens(doc_lengths, positions), device, bigram_ids)
+
+
+def piece_bounds(tokens, max_piece_tokens):
+    """[(start, stop)] of the ceil(tokens / max_piece_tokens) pieces a micro-step runs as: consecutive and
+    near-equal (lengths differ by at most one), so a stage compiles at most two piece lengths. The cuts sit
+    at fixed positions: with static shapes, moving one to a document start would take padding."""
+    count = -(-tokens // max_piece_tokens)
+    edges = [i * tokens // count for i in range(count + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def cut_lengths(doc_lengths, start, stop):
+    """Lengths of the documents of a sequence inside [start, stop): a document the edges cut through keeps
+    its part inside (the piece treats that part as a document of its own)."""
+    ends = np.cumsum(doc_lengths)
+    inside = np.minimum(ends, stop) - np.maximum(ends - doc_lengths, start)
+    return inside[inside > 0]
 
 
 class TrainLoader:
@@ -665,6 +704,12 @@ class TrainLoader:
 
     def next_batch(self, rank_tokens, max_seq_len):
         """The Batch of rank_tokens tokens for this rank."""
+        return self.next_pieces(rank_tokens, max_seq_len, rank_tokens)[0]
+
+    def next_pieces(self, rank_tokens, max_seq_len, max_piece_tokens):
+        """This rank's next micro-step of rank_tokens tokens as the Batches of its piece_bounds pieces of at
+        most max_piece_tokens each. The walk over documents does not depend on max_piece_tokens, nor do
+        the bigram ids (hashed over the whole micro-step, as the reference does)."""
         for _ in range(2 * len(self.files) + 1):
             plan = None
             if not self.bos.complete:
@@ -682,7 +727,10 @@ class TrainLoader:
         pieces, self.cursor = plan
         starts, lengths = pieces[self.rank]
         buf = gather_pieces(self.tokens, starts, lengths)
-        return to_device(buf[:-1], buf[1:], padded_cu_seqlens(lengths, rank_tokens), self.device, self.bigram_rows)
+        bigram_ids = bigram_hash(buf[:-1], self.bigram_rows) if self.bigram_rows else None
+        return [model_inputs(buf[start: stop + 1], cut_lengths(lengths, start, stop), self.device,
+                             None if bigram_ids is None else bigram_ids[start:stop])
+                for start, stop in piece_bounds(rank_tokens, max_piece_tokens)]
 
 
 def read_validation_tokens(pattern, count, vocab_size=None):
@@ -711,10 +759,9 @@ def validation_batches(tokens, val_tokens, val_batch_size, rank, world_size, acc
     for start in range(0, val_tokens, chunk * world_size):
         begin = start + rank * chunk
         buf = tokens[begin: begin + chunk + 1]
-        inputs = buf[:-1]
-        starts = np.flatnonzero(inputs == BOS_ID)
-        lengths = np.diff(np.concatenate([[0], starts[starts > 0], [chunk]]))
-        yield to_device(inputs, buf[1:], padded_cu_seqlens(lengths, chunk), device, bigram_rows)
+        starts = np.flatnonzero(buf[:-1] == BOS_ID)
+        yield model_inputs(buf, np.diff(np.concatenate([[0], starts[starts > 0], [chunk]])), device,
+                           bigram_hash(buf[:-1], bigram_rows) if bigram_rows else None)
 
 
 def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512, topics=8):
@@ -1080,7 +1127,9 @@ class GPT(nn.Module):
         self.head_loss = softcap_cross_entropy
         self.use_fp8 = False  # FP8 head (and MLP) matmuls in training (build_model turns them on where supported)
         self.head_fp8_scales = head_fp8_scales(hp.head_fp8_amax)
-        self.fp8_mlp = None  # FP8MLPWeights where the MLP runs in FP8
+        # the FP8 copies and scales of the MLP weights (used with use_fp8; their scales are in every
+        # checkpoint, so one written on a GPU resumes on a CPU and back)
+        self.fp8_mlp = FP8MLPWeights(L, 4 * D, D) if hp.fp8_mlp else None
         padded_vocab = -(-hp.vocab_size // 128) * 128
         self.lm_head = nn.Linear(D, padded_vocab, bias=False)
         nn.init.normal_(self.lm_head.weight, std=0.005)
@@ -1203,7 +1252,7 @@ class GPT(nn.Module):
         return F.linear(y.reshape(T, hdim), lambdas[1] * layer.vo_w[hdim:].type_as(x))
 
     def mlp(self, layer, i, x):
-        if self.fp8_mlp is not None and self.training:
+        if self.fp8_mlp is not None and self.use_fp8 and self.training:
             return self.fp8_mlp(i, x, layer.fc_w, layer.proj_w)
         return F.relu(F.linear(x, layer.fc_w.type_as(x))).square() @ layer.proj_w.type_as(x)
 
@@ -1371,6 +1420,17 @@ class RetieGPT(nn.Module):
         x = norm(x - lam["backout"] * backout)
         return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training,
                               self.head_fp8_scales if self.use_fp8 else None, self.softcap)
+
+
+def next_token_logits(model, batch, window_blocks):
+    """Softcapped float32 logits (padded vocabulary) of the token after the batch's inputs: the model's own
+    forward, its head's loss swapped for the last position's logits (tools/sample.py)."""
+    head_loss = model.head_loss
+    model.head_loss = lambda x, weight, *_: softcapped(head_matmul(x[-1:], weight, None), model.softcap)[0]
+    try:
+        return model(batch.inputs, batch.inputs, batch.cu_seqlens, window_blocks, batch.bigram_ids)
+    finally:
+        model.head_loss = head_loss
 
 
 def initial_scalars(num_layers):
@@ -1558,7 +1618,9 @@ class FP8ReluSquareMLP(torch.autograd.Function):
         out = torch._scaled_mm(post_f8, w2_f8, scale_a=act_scale, scale_b=w2_scale, out_dtype=x.dtype,
                                use_fast_accum=True)
         ctx.save_for_backward(x, w1, w2, pre, post)
-        return out, post.detach().amax().float()
+        post_amax = post.detach().amax().float()
+        ctx.mark_non_differentiable(post_amax)  # it only scales the next forward: no graph through the buffer
+        return out, post_amax
 
     @staticmethod
     def backward(ctx, grad_out, _):
@@ -1590,11 +1652,8 @@ class FP8MLPWeights(nn.Module):
 
     @torch.no_grad()
     def quantize(self, layers, bootstrap):
-        w1 = torch.stack([layer.fc_w for layer in layers]).bfloat16()  # the weights as the forward sees them
+        self._quantize_w1(layers)
         w2 = torch.stack([layer.proj_w for layer in layers]).bfloat16().float()
-        w1_scales = w1.abs().amax(dim=(1, 2)).clamp(min=1e-12) / E4M3_MAX  # bf16, as the reference
-        self.w1_scales.copy_(w1_scales.float())
-        self.w1_f8.copy_((w1 / w1_scales[:, None, None]).to(torch.float8_e4m3fn))
         w2_amax = w2.bfloat16().abs().amax(dim=(1, 2)).clamp(min=1e-12)  # bf16, as the reference
         if bootstrap:
             self.w2_next_scales.copy_((w2_amax / E4M3_MAX).float())
@@ -1604,10 +1663,16 @@ class FP8MLPWeights(nn.Module):
 
     @torch.no_grad()
     def requantize(self, layers):
-        """The copies of the current weights at the scales in the buffers (after a restore)."""
-        w1 = torch.stack([layer.fc_w for layer in layers]).bfloat16()
-        self.w1_f8.copy_((w1 / self.w1_scales.bfloat16()[:, None, None]).to(torch.float8_e4m3fn))
+        """The copies of the current weights (after a restore or a broadcast): W1 at its current scale,
+        as quantize made it from these weights, W2 at the delayed scale in the buffers."""
+        self._quantize_w1(layers)
         self._quantize_w2(torch.stack([layer.proj_w for layer in layers]).bfloat16().float())
+
+    def _quantize_w1(self, layers):
+        w1 = torch.stack([layer.fc_w for layer in layers]).bfloat16()  # the weights as the forward sees them
+        w1_scales = w1.abs().amax(dim=(1, 2)).clamp(min=1e-12) / E4M3_MAX  # bf16, as the reference
+        self.w1_scales.copy_(w1_scales.float())
+        self.w1_f8.copy_((w1 / w1_scales[:, None, None]).to(torch.float8_e4m3fn))
 
     def _quantize_w2(self, w2):
         self.w2_f8.copy_((w2 / self.w2_scales[:, None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
@@ -1763,15 +1828,21 @@ def build_model(hp, device, accum=1):
     model = new_model(hp).to(device)
     if device.type != "cuda":
         return use_cpu_fallbacks(model)
+    return use_gpu_paths(model, hp, hp.fp8 == "on" or (hp.fp8 == "auto" and fp8_supported(device)),
+                         FlexWindowAttention(compile_kernel=not hp.compile), accum)
+
+
+def use_gpu_paths(model, hp, use_fp8, attention, accum=1):
+    """The GPU paths: bf16 embeddings and gates (as in the reference), the FP8 head (and recipe 89's FP8
+    MLP) if use_fp8, `attention`; `accum` scales recipe 89's FP8 gradient cast as its loss is scaled."""
     for p in model.bf16_params():
         p.data = p.data.to(torch.bfloat16)
-    model.use_fp8 = hp.fp8 == "on" or (hp.fp8 == "auto" and fp8_supported(device))
-    model.attention = FlexWindowAttention(compile_kernel=not hp.compile)
+    model.use_fp8 = use_fp8
+    model.attention = attention
     if isinstance(model, GPT):
         model.head_fp8_scales = head_fp8_scales(hp.head_fp8_amax, accum)
         model.softcap = model.softcap._replace(round_sigmoid=True)
-        if model.use_fp8 and hp.fp8_mlp:
-            model.fp8_mlp = FP8MLPWeights(hp.num_layers, 4 * hp.model_dim, hp.model_dim).to(device)
+        if use_fp8 and model.fp8_mlp is not None:
             model.fp8_mlp.quantize(model.layers, bootstrap=True)
     return model
 
@@ -3107,10 +3178,12 @@ def newest_sound_checkpoint(folder, warn):
     return None, None
 
 
-# Settings that may differ when resuming: they do not change the training trajectory.
+# Settings that may differ when resuming: they do not change the training trajectory, except
+# micro_batch_tokens, which only moves the cuts of micro-steps into pieces (resuming logs the change).
 RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force", "profile", "cpu_threads",
                      "val_loss_every", "warmup_steps", "device", "compile", "fp8", "seed", "train_files", "val_files",
-                     "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size"}
+                     "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size", "micro_batch_tokens",
+                     "plan_memory", "gpu_memory_gb"}
 MODEL_SHAPE_FLAGS = ("vocab_size", "num_layers", "num_heads", "head_dim", "model_dim", "matrix_optimizer")
 
 
@@ -3350,6 +3423,20 @@ def failing_together(device, during="setup"):
         raise error
 
 
+def micro_step_pieces(hp, world_size, accum):
+    """{tokens of a micro-step per rank: its pieces' lengths} for each batch size of the run."""
+    pieces = {}
+    for batch in hp.batch_sizes:
+        tokens = tokens_per_rank(batch, world_size, accum)
+        pieces[tokens] = [stop - start for start, stop in piece_bounds(tokens, hp.micro_batch_tokens or tokens)]
+    return pieces
+
+
+def describe_pieces(pieces):
+    return ", ".join(f"{tokens:,} as {len(lengths)} x {'/'.join(f'{n:,}' for n in sorted(set(lengths), reverse=True))}"
+                     for tokens, lengths in pieces.items())
+
+
 def check_batch_splits(hp, world_size, accum):
     """Every training and the validation batch splits evenly over ranks and micro-steps (else one line)."""
     for b in hp.batch_sizes:
@@ -3441,6 +3528,7 @@ class StepProfiler:
         if self.range and self.range[1] >= total_steps:
             log(f"warning: --profile {hp.profile} ends at or after the run's last step ({total_steps}); no trace "
                 f"will be written (END must be below it)")
+            self.range = None  # a profiler never stopped would outlive the run (and crash the interpreter's exit)
 
     def at(self, step, rank):
         if self.range is None:
@@ -3559,6 +3647,9 @@ def remove_stale_checkpoint_writes(folder, log):
 
 def open_data(hp, rank, world_size, device, accum, log):
     """(training loader, validation tokens, validation files), every shard checked before any work."""
+    if hp.micro_batch_tokens:
+        log(f"micro_batch_tokens {hp.micro_batch_tokens}: micro-steps of "
+            f"{describe_pieces(micro_step_pieces(hp, world_size, accum))} tokens")
     train_pattern, val_pattern, data_description = resolve_data(hp, rank)
     log(f"data: {data_description}")
     val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
@@ -3577,9 +3668,12 @@ def start_model(hp, device, world_size, accum):
     buffers, such as the bigram signs, are broadcast)."""
     torch.manual_seed(hp.seed)
     model = build_model(hp, device, accum)
-    if world_size > 1:
-        for t in (*model.parameters(), *model.buffers()):
-            dist.broadcast(t.data, 0)
+    if world_size > 1:  # what a checkpoint holds; the FP8 MLP copies (gloo has no float8) are made again
+        for t in model.state_dict().values():
+            if isinstance(t, Tensor):
+                dist.broadcast(t, 0)
+        if getattr(model, "fp8_mlp", None) is not None and model.use_fp8:
+            model.fp8_mlp.requantize(model.layers)
     if device.type == "cuda" and hp.compile:
         torch._dynamo.config.cache_size_limit = 64
         return model, torch.compile(model, dynamic=False, fullgraph=True)
@@ -3636,10 +3730,9 @@ class Trainer:
             self.accum = grad_accum_steps(hp, self.world_size)
             check_batch_splits(hp, self.world_size, self.accum)
             continuing = self.rank == 0 and check_outputs(hp, self.log.path, self.checkpoint_folder, self.total_steps)
-            if continuing:
-                self.log(f"continued by --resume auto with args: {json.dumps(list(argv))}", console=False)
-            else:
-                self.log(f"args: {json.dumps(list(argv))}", console=False)
+            prefix = "continued by --resume auto with args" if continuing else "args"
+            self.log(f"{prefix}: {json.dumps(list(argv))}", console=False)
+            if not continuing:
                 self.log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
             self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
             self.loader, self.val_tokens, val_files = open_data(hp, self.rank, self.world_size, self.device, self.accum,
@@ -3652,7 +3745,7 @@ class Trainer:
         for warning in restart_warnings(hp):
             self.log(f"warning: {warning}")
         self.model, self.forward = start_model(hp, self.device, self.world_size, self.accum)
-        self.fp8_mlp = getattr(self.model, "fp8_mlp", None)
+        self.fp8_mlp = getattr(self.model, "fp8_mlp", None) if self.model.use_fp8 else None
         self.matrix_opt, self.adam = make_optimizers(self.model, hp)
         self.windows = window_tensors(hp, self.device)
         self.untie_at, self.mtp_weights = untie_step(hp), mtp_weight_table(hp, self.device)
@@ -3669,20 +3762,22 @@ class Trainer:
 
     def train_step(self, step, batch_size, windows):
         """One optimizer step of `batch_size` tokens (as scheduled for `step`): `accum` micro-batches
-        forward and backward, the optimizers. Returns [the step's loss, the ranks that got a stop signal]
-        as a device tensor, summed over ranks once self.reduction (async; None alone) is waited for;
-        no host-device synchronization happens inside."""
+        forward and backward (each in pieces of at most --micro_batch_tokens), the optimizers. Returns [the
+        step's loss, the ranks that got a stop signal] as a device tensor, summed over ranks once
+        self.reduction (async; None alone) is waited for; no host-device synchronization happens inside."""
         rank_tokens = tokens_per_rank(batch_size, self.world_size, self.accum)
         self.model.train()
         mtp = None if self.mtp_weights is None else self.mtp_weights[step]
         totals = torch.zeros(2, device=self.device)
         total, stop_votes = totals.unbind()
         for _ in range(self.accum):
-            batch = self.loader.next_batch(rank_tokens, max_seq_len_at(step, self.hp))
-            loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, self.windows[windows], batch.bigram_ids,
-                                mtp) / self.accum
-            loss.backward()
-            total += loss.detach()
+            # the training loss is a sum over tokens, so the pieces' losses add up to the micro-step's
+            for batch in self.loader.next_pieces(rank_tokens, max_seq_len_at(step, self.hp),
+                                                 self.hp.micro_batch_tokens or rank_tokens):
+                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, self.windows[windows],
+                                    batch.bigram_ids, mtp) / self.accum
+                loss.backward()
+                total += loss.detach()
         if self.stop.received:
             stop_votes += 1
         step_optimizers(step, self.matrix_opt, self.adam, self.untie_at)
@@ -3744,6 +3839,10 @@ class Trainer:
         moved = f" (written by {snap['world_size']} processes, continued on {self.world_size})" \
             if snap["world_size"] != self.world_size else ""
         self.log(f"resumed from {path} at step {self.step}{moved}")
+        written_with = snap["hyperparameters"].get("micro_batch_tokens", 0)
+        if written_with != self.hp.micro_batch_tokens:
+            self.log(f"--micro_batch_tokens changes from {written_with} (the checkpoint's run) to "
+                     f"{self.hp.micro_batch_tokens}: the same data from here on, cut into other pieces")
 
     def checkpoint(self, tag, required=False):
         """Write a checkpoint (collective; rank 0 writes) and return its path (None elsewhere). A failed
@@ -3818,6 +3917,254 @@ class Trainer:
         return val_losses
 
 # ----------------------------------------------------------------------------------------------
+# Memory plan (--plan_memory): one training step and one validation forward of the run, traced with
+# fake tensors (shapes and dtypes, no data: no GPU is touched), counting every tensor storage while it lives
+
+CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
+# The share of --gpu_memory_gb a plan may fill: the rest is for the CUDA context, library workspaces,
+# communication buffers and the allocator's fragmentation, none of which the trace sees.
+PLAN_USABLE_FRACTION = 0.9
+PLAN_PIECE_STEP = ATTN_BLOCK  # --micro_batch_tokens values the plan searches: multiples of the attention tile
+GiB = 2 ** 30
+
+
+class LiveMemory(TorchDispatchMode):
+    """The bytes of the tensor storages alive and their peak, as an allocator's 'allocated' counter sees an
+    eager run: every storage an op creates while the mode is on (an output sharing no input's storage), and
+    every one passed to track(), counts until it dies (a storage keeps one Python object for its whole
+    life, so a weak reference to that object says when)."""
+
+    def __init__(self, block_bytes=CUDA_BLOCK_BYTES):
+        super().__init__()
+        self.block_bytes, self.live, self.peak, self._alive = block_bytes, 0, 0, {}
+
+    def track(self, tensor):
+        storage = tensor.untyped_storage()
+        ref = self._alive.get(id(storage))
+        if ref is not None and ref() is storage:
+            return
+        size = -(-storage.nbytes() // self.block_bytes) * self.block_bytes
+        self._alive[id(storage)] = weakref.ref(storage, functools.partial(self._free, id(storage), size))
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, key, size, ref):
+        if self._alive.get(key) is ref:
+            del self._alive[key]
+            self.live -= size
+
+    def reset_peak(self):
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:  # views and in-place ops
+                self.track(t)                                                          # make no storage
+        return out
+
+
+class FusedAttentionFootprint(torch.autograd.Function):
+    """The memory of a fused attention kernel (compiled FlexAttention, FlashAttention), which a trace cannot
+    see into: the forward keeps q, k, v, its output and a float32 log-sum-exp per query and head; the
+    backward makes the three gradients and a float32 term per query and head. No score matrix."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:2], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        torch.empty_like(lse)  # the kernel's per-query term, freed when the backward returns
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class PlannedAttention:
+    """FlexWindowAttention's memory for the plan; its block mask (a few n_tiles^2 int32) is left out."""
+
+    @staticmethod
+    def mask(docs, window_tokens):
+        return None
+
+    def __call__(self, q, k, v, mask, scale):
+        return FusedAttentionFootprint.apply(q, k, v)
+
+
+def plan_batch(hp, tokens):
+    """A Batch of one document of `tokens` positions, with bigram ids if the model has a bigram embedding."""
+    window = np.full(tokens + 1, BOS_ID)
+    bigram_ids = bigram_hash(window[:-1], hp.bigram_vocab_size) if hp.bigram_vocab_size else None
+    return model_inputs(window, [tokens], torch.device("cpu"), bigram_ids)
+
+
+def planned_model(hp, gpu_path, accum):
+    """The run's model (made under a FakeTensorMode: no memory): the GPU paths (fused attention's footprint;
+    the FP8 head unless --fp8 off) or, for --device cpu, the CPU path."""
+    model = new_model(hp)
+    if not gpu_path:
+        return use_cpu_fallbacks(model)
+    return use_gpu_paths(model, hp, hp.fp8 != "off", PlannedAttention(), accum)
+
+
+@contextlib.contextmanager
+def fake_world(world_size):
+    """This process as rank 0 of `world_size` ranks whose collectives do nothing (torch's fake process
+    group), so the optimizers shard their state as in the real run."""
+    if world_size == 1:
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class MemoryPlan:
+    """Rank 0's memory in one training step and one validation forward of a run of `world_size` processes:
+    `static` (parameters, gradients, each optimizer's state) from a traced first step, then each piece length
+    traced on demand (piece_figures). Everything runs on fake CPU tensors, so the CPU's kernels are chosen
+    where torch picks one by device (e.g. its fused attention for the CPU path's SDPA; the meta device would
+    take the unfused one); the GPU path's attention is FusedAttentionFootprint."""
+
+    def __init__(self, hp, world_size, gpu_path=True):
+        self.hp, self.world_size, self.gpu_path = hp, world_size, gpu_path
+        self.accum = grad_accum_steps(hp, world_size)
+        check_batch_splits(hp, world_size, self.accum)
+        last_step = hp.num_scheduled_iterations + hp.num_extension_iterations
+        self.windows = window_blocks_at(last_step, hp)
+        self.mtp_weights = torch.tensor(mtp_weights_at(last_step, hp)) if multi_token_prediction(hp) else None
+        self.fake, self.live = FakeTensorMode(), LiveMemory()
+        self._pieces = {}
+        with warnings.catch_warnings(), fake_world(world_size), self.fake, self.live:
+            self.model = planned_model(hp, gpu_path, self.accum)
+            warnings.simplefilter("ignore")  # deprecation notices of collectives that do nothing here
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                self.live.track(t)
+            self.static = {"parameters": self.live.live}
+            self.optimizers = make_optimizers(self.model, hp)
+            if isinstance(self.optimizers[0], NorMuon):  # Triton cannot run on fake tensors; same buffers
+                self.optimizers[0].polar = dict(GPU_POLAR_EXPRESS, use_triton=False) if gpu_path else CPU_POLAR_EXPRESS
+            self._run_piece(PLAN_PIECE_STEP)
+            self.static["gradients"] = sum(self._storage_bytes(p.grad) for p in self.model.parameters())
+            self.live.reset_peak()
+            for optimizer in self.optimizers:  # an odd step: both optimizers make their state
+                before = self.live.live
+                optimizer.step()
+                self.static[f"optimizer state {type(optimizer).__name__}"] = self.live.live - before
+            self.step_peak = self.live.peak
+            # the gradients stay: every piece after this one runs with all of them, as a micro-step after
+            # the first does (and DistAdam's gradients accumulate over two steps)
+
+    def _storage_bytes(self, tensor):
+        return -(-tensor.untyped_storage().nbytes() // self.live.block_bytes) * self.live.block_bytes
+
+    def _run_piece(self, tokens, training=True):
+        """One forward of `tokens` positions (and its backward in training) under the tracker: the bytes the
+        forward leaves alive, before and after the head ({"trunk": ..., "head": ...})."""
+        before, marks = self.live.live, {}
+        batch = plan_batch(self.hp, tokens)
+        batch = Batch(*(None if t is None else self.fake.from_tensor(t) for t in batch))
+        for t in batch:  # the batch is made for the piece
+            if t is not None:
+                self.live.track(t)
+        head_loss = self.model.head_loss
+
+        def head_loss_marked(*args):
+            marks["head"] = self.live.live
+            return head_loss(*args)
+
+        self.model.head_loss = head_loss_marked
+        self.model.train(training)
+        try:
+            with torch.set_grad_enabled(training):
+                mtp = None if self.mtp_weights is None or not training else self.fake.from_tensor(self.mtp_weights)
+                loss = self.model(batch.inputs, batch.targets, batch.cu_seqlens, self.windows, batch.bigram_ids, mtp)
+            kept = {"trunk": marks["head"] - before, "head": self.live.live - marks["head"]}
+            if training:
+                loss.backward()
+        finally:
+            self.model.head_loss = head_loss
+        return kept
+
+    def piece_figures(self, tokens):
+        """{"trunk", "head": bytes saved for the backward, "peak": the training step's peak} of a piece."""
+        if tokens not in self._pieces:
+            with self.fake, self.live:
+                self.live.reset_peak()
+                kept = self._run_piece(tokens)
+                self._pieces[tokens] = dict(kept, peak=max(self.live.peak, self.step_peak))
+        return self._pieces[tokens]
+
+    def validation_figures(self):
+        """(tokens per forward, the peak of a validation forward after an even step: the matrix optimizer's
+        gradients are gone (traced with them, then taken off), DistAdam's still accumulate)."""
+        tokens = tokens_per_rank(self.hp.val_batch_size, self.world_size, self.accum, what="--val_batch_size")
+        with self.fake, self.live:
+            self.live.reset_peak()
+            self._run_piece(tokens, training=False)
+        matrix_grads = sum(self._storage_bytes(p.grad) for group in self.optimizers[0].param_groups
+                           for p in group["params"])
+        return tokens, self.live.peak - matrix_grads
+
+    def largest_piece(self, micro_batch_tokens):
+        hp = dataclasses.replace(self.hp, micro_batch_tokens=micro_batch_tokens)
+        return max(max(lengths) for lengths in micro_step_pieces(hp, self.world_size, self.accum).values())
+
+    def largest_fitting_cap(self, budget_bytes, val_peak):
+        """The largest --micro_batch_tokens (written as its largest piece, which gives the same pieces) whose
+        training peak and val_peak stay within budget_bytes; 0 if the run fits uncut, None if none fits."""
+        longest = self.largest_piece(0)
+        if val_peak > budget_bytes or self.piece_figures(PLAN_PIECE_STEP)["peak"] > budget_bytes:
+            return None
+        if self.piece_figures(longest)["peak"] <= budget_bytes:
+            return 0
+        low, high = 1, longest // PLAN_PIECE_STEP  # multiples of PLAN_PIECE_STEP: low fits, high does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            fits = self.piece_figures(self.largest_piece(middle * PLAN_PIECE_STEP))["peak"] <= budget_bytes
+            low, high = (middle, high) if fits else (low, middle)
+        return self.largest_piece(low * PLAN_PIECE_STEP)
+
+
+def plan_report(hp, world_size):
+    """The lines --plan_memory prints; the last reads 'predicted peak per GPU: X GiB' (per process on CPU)."""
+    gpu_path = hp.device != "cpu"
+    plan = MemoryPlan(hp, world_size, gpu_path)
+    pieces = micro_step_pieces(hp, world_size, plan.accum)
+    piece = plan.largest_piece(hp.micro_batch_tokens)
+    figures = plan.piece_figures(piece)
+    val_tokens, val_peak = plan.validation_figures()
+    paths = f"GPU paths ({'FP8' if hp.fp8 != 'off' else 'bf16'} head, fused attention)" if gpu_path else "CPU path"
+    lines = [f"memory plan (predicted: eager accounting, fake tensors) for rank 0 of {world_size} process(es), "
+             f"{paths}, {plan.accum} micro-step(s) per step of {describe_pieces(pieces)} tokens"]
+    rows = [*plan.static.items(), (f"activations saved, {piece:,}-token piece", figures["trunk"]),
+            (f"head logits saved, {piece:,}-token piece", figures["head"]), ("training peak", figures["peak"]),
+            (f"validation peak, {val_tokens:,}-token forward", val_peak)]
+    lines += [f"  {name:<44} {size / GiB:8.2f} GiB" for name, size in rows]
+    peak = max(figures["peak"], val_peak)
+    if gpu_path:
+        budget = hp.gpu_memory_gb * PLAN_USABLE_FRACTION * GiB
+        cap = plan.largest_fitting_cap(budget, val_peak)
+        fit = f"largest --micro_batch_tokens that fits --gpu_memory_gb {hp.gpu_memory_gb:g} ({budget / GiB:.1f} GiB usable): "
+        if cap is None:
+            fit += "none (the validation forward or the static memory alone does not fit; lower --val_batch_size or use more GPUs)"
+        elif cap == 0:
+            fit += "any: the run fits uncut (0)"
+        else:
+            cut = micro_step_pieces(dataclasses.replace(hp, micro_batch_tokens=cap), world_size, plan.accum)
+            fit += f"{cap} (training peak {plan.piece_figures(cap)['peak'] / GiB:.2f} GiB; micro-steps of {describe_pieces(cut)} tokens)"
+        lines.append(fit)
+    lines.append(f"predicted peak per {'GPU' if gpu_path else 'process'}: {peak / GiB:.2f} GiB")
+    return lines
+
+# ----------------------------------------------------------------------------------------------
 # main(): parse, train, and turn bad input into one line
 
 
@@ -3839,6 +4186,11 @@ def main(argv=None):
     with StopSignals() as stop:
         try:
             hp = parse_args(argv)
+            if hp.plan_memory:  # before anything touches a GPU; under torchrun, rank 0 prints
+                lines = plan_report(hp, int(os.environ.get("WORLD_SIZE", 1)))
+                if int(os.environ.get("RANK", 0)) == 0:
+                    print("\n".join(lines))
+                return None
             trainer = Trainer(hp, portable_argv(argv), stop)
             return trainer.run()
         except Preempted as e:

@@ -247,6 +247,7 @@ def test_explicit_glob_matching_nothing_is_an_error_even_with_the_fallback(corpu
 # ---------------------------------------------------------------------------------------------- logs
 
 
+@pytest.mark.slow
 def test_run_id_is_exclusive(corpus, tmp_path, capsys):
     argv = tiny(corpus, tmp_path, "--run_id", "taken")
     result, code, err = run_main(argv, capsys)
@@ -273,6 +274,7 @@ def test_read_only_log_dir(corpus, tmp_path, capsys, monkeypatch):
     assert not list(folder.iterdir())
 
 
+@pytest.mark.slow
 def test_non_finite_validation_loss_fails_the_run(corpus, tmp_path, capsys, monkeypatch):
     real = tg.chunked_softcap_cross_entropy
 
@@ -297,6 +299,7 @@ def checkpoint(corpus, tmp_path_factory):
     return log_dir / "checkpoints" / "src" / "step_000002.pt"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,needles", [
     (["--num_layers", "10"], ["--num_layers 9", "--num_layers 10"]),
     (["--model_dim", "128", "--num_heads", "2", "--head_dim", "64"], ["--model_dim 64", "--model_dim 128"]),
@@ -309,12 +312,14 @@ def test_resume_refuses_what_it_cannot_continue(corpus, tmp_path, capsys, checkp
     one_line_error(code, err, str(checkpoint), *needles)
 
 
+@pytest.mark.slow
 def test_resume_with_changed_schedule_and_force(corpus, tmp_path, capsys, checkpoint):
     result, code, err = run_main([*tiny(corpus, tmp_path), "--resume", checkpoint, "--muon_lr", "0.05",
                                   "--force", "true"], capsys)
     assert code == 0 and [s for s, _ in result] == [4], err
 
 
+@pytest.mark.slow
 def test_resume_at_the_last_step_still_validates(corpus, tmp_path, capsys, checkpoint):
     """A checkpoint at the run's last step resumes into the final validation only."""
     result, code, err = run_main([*tiny(corpus, tmp_path), "--resume", checkpoint, "--num_scheduled_iterations", "2",
@@ -322,6 +327,7 @@ def test_resume_at_the_last_step_still_validates(corpus, tmp_path, capsys, check
     assert code == 0 and [s for s, _ in result] == [2], err
 
 
+@pytest.mark.slow
 def test_resume_cleans_temp_files_of_killed_writes(corpus, tmp_path, capsys, checkpoint):
     folder = tmp_path / "ckpts"
     shutil.copytree(checkpoint.parent, folder)
@@ -336,6 +342,7 @@ def test_resume_cleans_temp_files_of_killed_writes(corpus, tmp_path, capsys, che
     assert not dead.exists() and live.exists() and other.exists()
 
 
+@pytest.mark.slow
 def test_failed_periodic_checkpoint_warns_and_training_goes_on(corpus, tmp_path, capsys, monkeypatch):
     real = tg.write_atomically
 
@@ -354,6 +361,7 @@ def test_failed_periodic_checkpoint_warns_and_training_goes_on(corpus, tmp_path,
     assert sorted(p.name for p in folder.iterdir()) == ["final.pt"]  # no partial file, no temp file
 
 
+@pytest.mark.slow
 def test_failed_final_checkpoint_fails_the_run(corpus, tmp_path, capsys, monkeypatch):
     def full_disk(path, data):
         raise OSError(28, "No space left on device")  # as a write to a full disk: no file name

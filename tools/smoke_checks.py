@@ -243,16 +243,17 @@ def gradient_states(log, names):
 
 
 def note_gradients(optimizer, log):
-    """Make this optimizer instance note each parameter's gradient_state as each step() starts; returns
-    the undo (the class's step() again)."""
-    step = optimizer.step
+    """Make this optimizer instance note each parameter's gradient_state as each of its steps starts (its
+    reduce_grads(), the first of the three phases step_optimizers calls); returns the undo (the class's
+    reduce_grads() again)."""
+    reduce_grads = optimizer.reduce_grads
 
-    def noting_step():
+    def noting_reduce_grads():
         log.append({p: gradient_state(p.grad) for group in optimizer.param_groups for p in group["params"]})
-        step()
+        reduce_grads()
 
-    optimizer.step = noting_step
-    return lambda: delattr(optimizer, "step")
+    optimizer.reduce_grads = noting_reduce_grads
+    return lambda: delattr(optimizer, "reduce_grads")
 
 
 @dataclass
@@ -280,7 +281,7 @@ class RecordRun:
     three steps from initialization, the Trainer's warm-up, a timed loop and a validation, then single
     steps and passes for the remaining checks. Each phase runs once, when a check first needs it."""
 
-    MOVE_STEPS = 3  # NorMuon thrice, DistAdam once (odd steps)
+    MOVE_STEPS = 4  # NorMuon four times, DistAdam twice (odd steps)
 
     def __init__(self, device, size, folder):
         self.device, self.size, self.folder = device, size, Path(folder) if folder else None
@@ -398,17 +399,22 @@ class RecordRun:
 
     # --- checks ------------------------------------------------------------------------------------
     def check_parameters_move(self):
-        """Every parameter moves within three steps from initialization. Not all within two: a parameter
-        whose gradient is exactly zero stays (the smear gate's weights: their output is multiplied by the
-        smear lambda, which starts at 0 and is first changed by DistAdam at step 1). So after steps 0-1
-        (both optimizers have stepped) each parameter still in place must have had only zero gradients."""
+        """Every parameter moves within four steps from initialization (two DistAdam steps). Not all
+        within two: a parameter whose gradient is exactly zero stays (the smear gate's weights: their
+        output is multiplied by the smear lambda, which starts at 0 and is first changed by DistAdam at
+        step 1; so do the first MUDD matrix behind the zero second one and the bigram lambdas behind the
+        zero bigram table). So after steps 0-1 (both optimizers have stepped) each parameter still in place must have
+        had only zero gradients."""
         first = self.first_steps()
         require(set(first.gradients) == first.names, f"no optimizer steps {sorted(first.names - set(first.gradients))}")
         bad = {name: states for name, states in first.gradients.items() if {"missing", "non-finite"} & states}
         require(not bad, f"gradients missing or non-finite: {bad}")
-        expected = math.log(first.vocab)
-        require(abs(first.loss_per_token - expected) < 0.1,
-                f"loss/token at initialization {first.loss_per_token:.4f}, expected ln {first.vocab} = {expected:.4f}")
+        # the multi-token loss weighs each position's next tokens: ln V each at initialization
+        weight = sum(tg.mtp_weights_at(0, self.hp)) if tg.multi_token_prediction(self.hp) else 1.0
+        expected = weight * math.log(first.vocab)
+        require(abs(first.loss_per_token - expected) < 0.1 * weight,
+                f"loss/token at initialization {first.loss_per_token:.4f}, expected {weight:g} x ln {first.vocab} "
+                f"= {expected:.4f}")
         zero = {name for name, states in first.early_gradients.items() if states == {"zero"}}
         unexplained = first.unmoved[1] - zero
         require(not unexplained, f"not moved by steps 0-1 though their gradient was not zero: {sorted(unexplained)}")
@@ -416,7 +422,8 @@ class RecordRun:
         late = ", ".join(sorted(first.unmoved[1])) or "none"
         return (f"{len(first.names)} parameters, all moved within {self.MOVE_STEPS} steps; still in place after "
                 f"steps 0-1, each with only zero gradients: {late}; loss/token at initialization "
-                f"{first.loss_per_token:.4f} (ln {first.vocab} = {expected:.4f}); first step {first.seconds:.1f} s")
+                f"{first.loss_per_token:.4f} ({weight:g} x ln {first.vocab} = {expected:.4f}); first step "
+                f"{first.seconds:.1f} s")
 
     def check_warm_up(self):
         validation_s, warm_up_s, graphs = self.warm_up()
@@ -459,11 +466,25 @@ class RecordRun:
                 f"{loop.eval_peak_bytes / 2**30:.1f} GiB (reserved {loop.reserved_bytes / 2**30:.1f} GiB); "
                 f"fits an 80 GB H100")
 
+    def check_memory_plan(self):
+        """--plan_memory's prediction (eager accounting, meant as an upper bound of the compiled run) against
+        the timed loop's measured peaks."""
+        loop, hp = self.timed_loop(), self.hp
+        plan = tg.MemoryPlan(hp, 1)
+        predicted = plan.piece_figures(plan.largest_piece(hp.micro_batch_tokens))["peak"]
+        _, predicted_eval = plan.validation_figures()
+        line = (f"training: predicted {predicted / 2**30:.2f} GiB, measured {loop.train_peak_bytes / 2**30:.2f} GiB "
+                f"({loop.train_peak_bytes / predicted:.2f}x); validation: predicted {predicted_eval / 2**30:.2f} GiB, "
+                f"measured {loop.eval_peak_bytes / 2**30:.2f} GiB ({loop.eval_peak_bytes / predicted_eval:.2f}x)")
+        require(loop.train_peak_bytes <= predicted and loop.eval_peak_bytes <= predicted_eval, line)
+        return line
+
     def check_host_syncs(self):
         self.timed_loop()
         trainer = self.trainer()
-        # CPU: the tiled attention reads its two windows on the host per micro-step (tests/test_step_syncs.py)
-        expected = 0 if self.device.type == "cuda" else 2 * trainer.accum
+        # CPU: the tiled attention reads the window of each kind of mask on the host per micro-step
+        # (tests/test_step_syncs.py)
+        expected = 0 if self.device.type == "cuda" else len(trainer.model.attention_kinds()) * trainer.accum
         counts = [count_host_syncs(trainer, step) for step in (trainer.total_steps - 2, trainer.total_steps - 1)]
         require(all(n == expected for n, _ in counts),
                 f"host syncs per train_step {[n for n, _ in counts]}, documented {expected}: {counts}")
@@ -487,15 +508,16 @@ class RecordRun:
         batch = trainer.loader.next_batch(tg.tokens_per_rank(max(hp.batch_sizes), trainer.world_size, trainer.accum),
                                           hp.max_seq_len)
         windows = trainer.windows[tg.window_blocks_at(trainer.total_steps - 1, hp)]  # the rotary follows these now
-        tokens = batch[0].numel()
-        compiled = trainer.forward(*batch, windows).item() / tokens  # with gradients on: the training graph itself
+        tokens = batch.inputs.numel()
+        args = (batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids)
+        compiled = trainer.forward(*args).item() / tokens  # with gradients on: the training graph itself
         attention = model.attention
         model.attention = tg.TiledWindowAttention() if self.device.type == "cuda" else tg.FlexWindowAttention()
         try:
             start = time.perf_counter()
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-                eager = model(*batch, windows).item() / tokens
+                eager = model(*args).item() / tokens
             for _, what in self.eager_reference_graphs():
                 report_compile(self.device, what, time.perf_counter() - start)
         finally:
@@ -526,10 +548,15 @@ def head_inputs(device, size):
     return x, w, torch.randint(0, vocab, (tokens,), device=device, generator=g)
 
 
+# the record's head in training: its FP8 scales (one micro-step per step) and its softcap as the GPU runs it
+HEAD_FP8_SCALES = tg.head_fp8_scales(RECORD_HP.head_fp8_amax)
+HEAD_SOFTCAP = tg.Softcap(RECORD_HP.softcap_scale, RECORD_HP.softcap_offset, round_sigmoid=True)
+
+
 def head_step(x, w, targets, fp8):
-    """The head's forward and backward from fresh leaves: (loss, grad x, grad w)."""
+    """The head's forward and backward from fresh leaves, in FP8 or bf16: (loss, grad x, grad w)."""
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = tg.softcap_cross_entropy(x, w, targets, True, fp8)
+    loss = tg.softcap_cross_entropy(x, w, targets, True, HEAD_FP8_SCALES if fp8 else None, HEAD_SOFTCAP)
     loss.backward()
     return loss, x.grad, w.grad
 
@@ -704,6 +731,7 @@ class SmokePlan:
             Check("compiles_in_timed_loop", record.check_no_compiles_in_timed_loop, (15, 6)),
             Check("throughput", record.report_throughput, (1, 1), info=True),
             Check("memory", record.check_memory, (1, 1), cuda_only="CUDA memory statistics"),
+            Check("memory_plan", record.check_memory_plan, (5, 1), cuda_only="CUDA memory statistics"),
             Check("host_syncs_per_step", record.check_host_syncs, (5, 3)),
             Check("compiled_vs_eager", record.check_compiled_vs_eager, (5, 4), record.eager_reference_graphs(),
                   then=record.close),

@@ -1,0 +1,91 @@
+"""--plan_memory: its trace of the CPU path keeps exactly the bytes the CPU path saves for the backward; the
+optimizer state shards over ranks; the largest fitting --micro_batch_tokens is the boundary of the fit; the
+command prints its figures and the last line without training or reading data. Slow: a fake-tensor trace of
+one training step takes a few seconds on 2 cores."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt as tg
+from test_training import tiny
+
+pytestmark = pytest.mark.slow
+CPU = torch.device("cpu")
+
+
+def saved_for_backward(model, batch, windows, mtp, block_bytes):
+    """Bytes of the distinct storages a real forward saves for the backward (parameters left out) or takes
+    as its batch, each rounded up to block_bytes as the plan rounds them."""
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved = {t.untyped_storage().data_ptr(): -(-t.untyped_storage().nbytes() // block_bytes) * block_bytes
+             for t in batch if t is not None}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            saved[storage.data_ptr()] = -(-storage.nbytes() // block_bytes) * block_bytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.train()(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids, mtp)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("recipe", ["89", "retie"])
+@pytest.mark.parametrize("tokens", [1024, 4096])
+def test_plan_keeps_what_the_cpu_path_saves(tokens, recipe):
+    """The cpu preset's model. Error model: what the plan counts as kept by a forward is what the CPU path
+    saves for the backward, plus the batch and the loss (one 512-byte block), which a forward leaves alive
+    without saving. Measured: exactly that, to the byte."""
+    hp = tg.parse_args(["--preset", "cpu", "--recipe", recipe])
+    plan = tg.MemoryPlan(hp, 1, gpu_path=False)
+    figures = plan.piece_figures(tokens)
+    torch.manual_seed(0)
+    model = tg.build_model(hp, CPU)
+    actual = saved_for_backward(model, tg.plan_batch(hp, tokens), plan.windows, plan.mtp_weights, tg.CUDA_BLOCK_BYTES)
+    print(f"{recipe} {tokens} tokens: plan {figures['trunk'] + figures['head']:,} bytes, CPU path saves {actual:,} "
+          f"with its batch")
+    assert figures["trunk"] + figures["head"] == actual + tg.CUDA_BLOCK_BYTES
+
+
+def test_optimizer_state_shards_over_ranks():
+    hp = tg.parse_args(tiny(Path(".")) + ["--grad_accum_base", "4"])
+    one, four = tg.MemoryPlan(hp, 1), tg.MemoryPlan(hp, 4)
+    assert one.static["parameters"] == four.static["parameters"] and one.static["gradients"] == four.static["gradients"]
+    for name in ("optimizer state NorMuon", "optimizer state DistAdam"):
+        ratio = four.static[name] / one.static[name]
+        print(name, one.static[name], four.static[name], ratio)
+        assert 0.25 <= ratio < 0.35, (name, ratio)  # a quarter, plus the padding to equal shards and 512-byte blocks
+    assert one.accum == 4 and four.accum == 1
+
+
+def test_largest_fitting_cap_is_the_boundary():
+    hp = tg.parse_args(tiny(Path(".")) + ["--batch_sizes", "4096", "4096", "4096"])
+    plan = tg.MemoryPlan(hp, 1)
+    _, val_peak = plan.validation_figures()
+    uncut = plan.piece_figures(plan.largest_piece(0))["peak"]
+    smallest = plan.piece_figures(tg.PLAN_PIECE_STEP)["peak"]
+    budget = (3 * smallest + uncut) // 4  # somewhere among the cuts
+    cap = plan.largest_fitting_cap(budget, val_peak)
+    assert 0 < cap < 4096 and plan.largest_piece(cap) == cap
+    assert plan.piece_figures(cap)["peak"] <= budget
+    bigger = next(n for n in (plan.largest_piece(m) for m in range(cap, 4097, tg.PLAN_PIECE_STEP)) if n > cap)
+    assert plan.piece_figures(bigger)["peak"] > budget  # the next larger pieces do not fit
+    assert plan.largest_fitting_cap(uncut, val_peak) == 0 and plan.largest_fitting_cap(smallest - 1, val_peak) is None
+
+
+def test_plan_memory_prints_and_exits_without_training(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = tiny(tmp_path / "no_data_here") + ["--plan_memory", "--gpu_memory_gb", "0.05", "--device", "auto"]
+    assert tg.main(argv) is None
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("memory plan (predicted: eager accounting, fake tensors) for rank 0 of 2 process(es), GPU paths")
+    for name in ("parameters", "gradients", "optimizer state NorMuon", "optimizer state DistAdam", "activations saved",
+                 "head logits saved", "training peak", "validation peak"):
+        assert any(line.strip().startswith(name) and line.endswith(" GiB") for line in lines), name
+    assert re.fullmatch(r"largest --micro_batch_tokens that fits --gpu_memory_gb 0\.05 \(0\.0 GiB usable\): .+", lines[-2])
+    assert re.fullmatch(r"predicted peak per GPU: \d+\.\d\d GiB", lines[-1])
+    assert not (tmp_path / "logs").exists()
