@@ -33,6 +33,7 @@ def shapes_only(gm):
 
 
 def recording_backend(graphs):
+    """A backend (or AOTAutograd compiler) that keeps each graph and never runs it."""
     def backend(gm, example_inputs):
         graphs.append(gm)
         return shapes_only(gm)
@@ -41,15 +42,9 @@ def recording_backend(graphs):
 
 def joint_recording_backend(forward_graphs, backward_graphs):
     """Dynamo's graph through AOTAutograd (which traces the joint forward + backward on fake tensors)."""
-    def compiler(store):
-        def compile_graph(gm, example_inputs):
-            store.append(gm)
-            return shapes_only(gm)
-        return compile_graph
-
     def backend(gm, example_inputs):
-        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler(forward_graphs),
-                                     bw_compiler=compiler(backward_graphs))
+        return aot_module_simplified(gm, example_inputs, fw_compiler=recording_backend(forward_graphs),
+                                     bw_compiler=recording_backend(backward_graphs))
     return backend
 
 

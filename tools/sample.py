@@ -1,7 +1,7 @@
 """Look at what a checkpoint of train_gpt.py learned: continue a prompt, or score the checkpoint on any shards.
 
     python tools/sample.py CHECKPOINT --prompt "It was a dark night" --max_new_tokens 200 --temperature 0.8 \\
-        --top_k 50 --seed 0 --bpe ../shared/tokenizer/r50k_base.tiktoken
+        --top_k 50 --seed 0 --bpe path/to/r50k_base.tiktoken
     python tools/sample.py CHECKPOINT --eval 'data/novels/novels_val_*.bin'
 
 Any checkpoint of this trainer loads, whatever number of processes wrote it (a checkpoint holds the full
