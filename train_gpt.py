@@ -1077,6 +1077,11 @@ def adam_tag(p, group, hp):
     return tag(p, group, lr_mul, wd_mul, betas=betas if hp.adam_group_betas else None, optimizer="adam")
 
 
+def gate_tag(p, group, hp):
+    """A gate weight: DistAdam's `group` under --gates_in_adam, else the matrix optimizer's gates."""
+    return adam_tag(p, group, hp) if hp.gates_in_adam else tag(p, "gate")
+
+
 def uniform_init(rows, cols):
     bound = math.sqrt(3) * 0.5 / math.sqrt(cols)  # std 0.5 / sqrt(cols)
     return torch.empty(rows, cols).uniform_(-bound, bound)
@@ -1090,7 +1095,6 @@ class Layer(nn.Module):
         super().__init__()
         D, H, hdim = hp.model_dim, hp.num_heads, hp.num_heads * hp.head_dim
         self.paired, self.xsa, self.key_shift = paired, xsa, key_shift
-        gate_tag = (lambda p, group: adam_tag(p, group, hp)) if hp.gates_in_adam else (lambda p, group: tag(p, "gate"))
         if has_attn:
             qk_pieces = H if hp.muon_qk_head_pairs else 2  # head pairs of Q, then of K
             self.qk_w = tag(nn.Parameter(uniform_init(2 * hdim, D)), "attn_qk", pieces=qk_pieces)
@@ -1098,8 +1102,8 @@ class Layer(nn.Module):
             if hp.zero_init_attn_out:
                 vo[hdim:].zero_()
             self.vo_w = tag(nn.Parameter(vo), "attn_vo", pieces=2)
-            self.gate_w = gate_tag(nn.Parameter(torch.zeros(H, GATE_INPUTS)), "gate")
-            self.ve_gate_w = gate_tag(nn.Parameter(torch.zeros(H, GATE_INPUTS)), "gate") if ve_gate else None
+            self.gate_w = gate_tag(nn.Parameter(torch.zeros(H, GATE_INPUTS)), "gate", hp)
+            self.ve_gate_w = gate_tag(nn.Parameter(torch.zeros(H, GATE_INPUTS)), "gate", hp) if ve_gate else None
         self.fc_w = tag(nn.Parameter(uniform_init(4 * D, D)), "mlp")
         self.proj_w = tag(nn.Parameter(torch.zeros(4 * D, D)), "mlp", lr_mul=2.0)  # stored (hidden, dim) like fc_w
 
@@ -1149,9 +1153,8 @@ class GPT(nn.Module):
             self.bigram_lambdas = adam_tag(nn.Parameter(torch.full((L,), 0.05)), "lambdas", hp)
         else:
             self.bigram_embed = self.bigram_lambdas = None
-        gate_group = (lambda p, group: adam_tag(p, group, hp)) if hp.gates_in_adam else (lambda p, group: tag(p, "gate"))
-        self.smear_gate_w = gate_group(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "smear_gate")
-        self.skip_gate_w = gate_group(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "skip_gate") if hp.skip_gate else None
+        self.smear_gate_w = gate_tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "smear_gate", hp)
+        self.skip_gate_w = gate_tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "skip_gate", hp) if hp.skip_gate else None
         last = L - 1
         self.layers = nn.ModuleList([
             Layer(hp, has_attn=i != self.roles.attn_free,
@@ -1653,7 +1656,7 @@ class FP8MLPWeights(nn.Module):
     @torch.no_grad()
     def quantize(self, layers, bootstrap):
         self._quantize_w1(layers)
-        w2 = torch.stack([layer.proj_w for layer in layers]).bfloat16().float()
+        w2 = self._w2(layers)
         w2_amax = w2.bfloat16().abs().amax(dim=(1, 2)).clamp(min=1e-12)  # bf16, as the reference
         if bootstrap:
             self.w2_next_scales.copy_((w2_amax / E4M3_MAX).float())
@@ -1666,13 +1669,17 @@ class FP8MLPWeights(nn.Module):
         """The copies of the current weights (after a restore or a broadcast): W1 at its current scale,
         as quantize made it from these weights, W2 at the delayed scale in the buffers."""
         self._quantize_w1(layers)
-        self._quantize_w2(torch.stack([layer.proj_w for layer in layers]).bfloat16().float())
+        self._quantize_w2(self._w2(layers))
 
     def _quantize_w1(self, layers):
         w1 = torch.stack([layer.fc_w for layer in layers]).bfloat16()  # the weights as the forward sees them
         w1_scales = w1.abs().amax(dim=(1, 2)).clamp(min=1e-12) / E4M3_MAX  # bf16, as the reference
         self.w1_scales.copy_(w1_scales.float())
         self.w1_f8.copy_((w1 / w1_scales[:, None, None]).to(torch.float8_e4m3fn))
+
+    @staticmethod
+    def _w2(layers):
+        return torch.stack([layer.proj_w for layer in layers]).bfloat16().float()  # as the forward sees them
 
     def _quantize_w2(self, w2):
         self.w2_f8.copy_((w2 / self.w2_scales[:, None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
