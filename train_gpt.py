@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import functools
 import glob
 import hashlib
@@ -3097,6 +3098,47 @@ class RunLog:
                 self._append(line)
 
 
+class RunLock:
+    """One process at a time trains a run id: rank 0 holds an exclusive flock on <log_dir>/<run_id>.lock
+    for the run's life. The kernel drops the lock when the process dies, so a lock left by a killed run is
+    no obstacle; the file names the holder's host and pid for the one refused."""
+
+    def __init__(self, path, log_dir):
+        self.path, self.log_dir, self.fd, self.made = Path(path), log_dir, None, []
+
+    def __enter__(self):
+        check_writable_folder(self.path.parent, "the log folder", self.log_dir)
+        self.made = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while self.fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise ConfigError(f"the run {self.path.name[:-5]!r} is being trained by {holder} (it holds {self.path}); "
+                                  f"wait for that process to end or stop it, or pass another --run_id") from None
+            try:  # the holder before us may have removed the file after we opened it: lock the file that is there
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+            else:
+                os.close(fd)
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, f"host {platform.node()} pid {os.getpid()}\n".encode())
+        return self
+
+    def __exit__(self, *exc):
+        self.path.unlink(missing_ok=True)  # (before the lock goes: a waiting opener then retries a new file)
+        os.close(self.fd)
+        for folder in self.made:  # only folders the lock itself made, and only while empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
 def run_id_taken(path):
     return (f"{path} exists: the run id {path.stem!r} is taken; pass another --run_id (or none for a fresh one), "
             f"or --resume auto to continue that run")
@@ -3726,7 +3768,8 @@ class TrainClock:
 class Trainer:
     """Holds the run's moving parts: setup in __init__, warm_up(), then run(), the timed loop."""
 
-    def __init__(self, hp, argv=(), stop=None):
+    def __init__(self, hp, argv=(), stop=None, lifetime=None):
+        """`lifetime` (an ExitStack: main's) holds the run lock until the process is done with the run."""
         self.hp, self.stop = hp, stop or StopSignals()  # (one not entered never hears a signal)
         self.rank, self.world_size, self.device = setup_distributed(hp)
         self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
@@ -3736,6 +3779,8 @@ class Trainer:
         with failing_together(self.device):  # everything that can be wrong with the input, before any work
             self.accum = grad_accum_steps(hp, self.world_size)
             check_batch_splits(hp, self.world_size, self.accum)
+            if self.rank == 0 and hp.run_id and lifetime is not None:  # (a fresh uuid needs no lock)
+                lifetime.enter_context(RunLock(self.log.path.parent / f"{self.run_id}.lock", hp.log_dir))
             continuing = self.rank == 0 and check_outputs(hp, self.log.path, self.checkpoint_folder, self.total_steps)
             prefix = "continued by --resume auto with args" if continuing else "args"
             self.log(f"{prefix}: {json.dumps(list(argv))}", console=False)
@@ -4190,7 +4235,7 @@ def portable_argv(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     trainer = None
-    with StopSignals() as stop:
+    with StopSignals() as stop, contextlib.ExitStack() as lifetime:
         try:
             hp = parse_args(argv)
             if hp.plan_memory:  # before anything touches a GPU; under torchrun, rank 0 prints
@@ -4198,7 +4243,7 @@ def main(argv=None):
                 if int(os.environ.get("RANK", 0)) == 0:
                     print("\n".join(lines))
                 return None
-            trainer = Trainer(hp, portable_argv(argv), stop)
+            trainer = Trainer(hp, portable_argv(argv), stop, lifetime)
             return trainer.run()
         except Preempted as e:
             if int(os.environ.get("RANK", 0)) == 0:

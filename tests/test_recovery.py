@@ -9,6 +9,7 @@ cannot be written, a DATA_PATH that does not exist.
 Faults are injected by tests/fault_runner.py at exact steps (signals sent by the process to itself),
 so no test races a timer."""
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -172,6 +173,34 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_in_the_same_log(corpus, t
     assert log.count(f"--resume auto: no checkpoint in {tmp_path / 'checkpoints' / 'new'} yet; starting at step 0") == 2
     assert len(re.findall(r"^script_sha256 ", log, re.M)) == 1 and "continued by --resume auto with args:" in log
     assert not re.search(r"^resumed from", log, re.M)
+
+
+@pytest.mark.slow
+def test_one_process_trains_a_run_id_and_a_second_is_refused_until_the_owner_dies(corpus, tmp_path, uninterrupted):
+    """Two SLURM jobs that reuse a run id by mistake: the owner is paused (SIGSTOP) after step 3, past its
+    checkpoint at step 2; a second --resume auto of the id is refused in one line naming the owner's host and
+    pid, and writes nothing. Once the owner is killed with SIGKILL its lock is no obstacle: a new --resume
+    auto takes the run over and ends with the uninterrupted run's val losses, in the one log."""
+    args = short(corpus, "--run_id", "shared", "--save_every", 2, "--resume", "auto")
+    owner = subprocess.Popen([sys.executable, str(RUNNER), *map(str, args)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env={**env(), "FAULT_AFTER_STEP": "0:3:STOP"})
+    try:
+        _, status = os.waitpid(owner.pid, os.WUNTRACED)  # returns once the owner has stopped itself
+        assert os.WIFSTOPPED(status), status
+        log = tmp_path / "logs" / "shared.txt"
+        before = log.read_text()
+        [(code, _, err)] = run_ranks(args, tmp_path)
+        one_line_error(code, err, "the run 'shared' is being trained by", f"pid {owner.pid}",
+                       f"host {platform.node()}", "logs/shared.lock")
+        assert log.read_text() == before
+    finally:
+        owner.kill()
+        owner.wait()
+    [(code, _, err)] = run_ranks(args, tmp_path)
+    assert code == 0, err[-3000:]
+    text = single_log(tmp_path)
+    assert "resumed from logs/checkpoints/shared/step_000002.pt at step 2" in text
+    assert val_losses(text) == uninterrupted(1) and not (tmp_path / "logs" / "shared.lock").exists()
 
 
 def test_resume_auto_needs_a_run_id(corpus, tmp_path, capsys):
