@@ -3386,7 +3386,7 @@ def check_ranks_agree(settings):
 
 def restart_warnings(hp):
     """What would make torchrun's restarts of this run (--max-restarts) fail or start over."""
-    if not int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+    if not env_int("TORCHELASTIC_MAX_RESTARTS", 0):
         return []
     warnings = []
     if hp.resume != "auto":
@@ -3400,14 +3400,52 @@ def restart_warnings(hp):
     return warnings
 
 
+class ProcessPlace(NamedTuple):
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def env_int(name, default, minimum=0):
+    """An integer environment variable (torchrun's, or the user's), checked like a flag."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"the environment variable {name}={text!r} is not an integer; set it to one (torchrun sets "
+                          f"it for its workers) or unset it") from None
+    if value < minimum:
+        raise ConfigError(f"the environment variable {name}={text} must be >= {minimum}; set it to such a number (torchrun "
+                          f"sets it for its workers) or unset it")
+    return value
+
+
+def process_place():
+    """This process's place in the run from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (one plain process
+    when unset), each a number in range."""
+    place = ProcessPlace(env_int("RANK", 0), env_int("WORLD_SIZE", 1, 1), env_int("LOCAL_RANK", 0),
+                         env_int("LOCAL_WORLD_SIZE", 1, 1))
+    for name, index, size, size_name in (("RANK", place.rank, place.world_size, "WORLD_SIZE"),
+                                         ("LOCAL_RANK", place.local_rank, place.local_world_size, "LOCAL_WORLD_SIZE")):
+        if index >= size:
+            raise ConfigError(f"the environment variable {name}={index} is not below {size_name}={size}; start the "
+                              f"processes with torchrun, or set {name} in 0..{size - 1}")
+    if place.local_world_size > place.world_size:
+        raise ConfigError(f"the environment variable LOCAL_WORLD_SIZE={place.local_world_size} is more than "
+                          f"WORLD_SIZE={place.world_size}; start the processes with torchrun, or fix them")
+    return place
+
+
 def setup_distributed(hp):
     """torchrun (RANK/WORLD_SIZE set) or a single plain process; NCCL on CUDA, gloo on CPU. The device
     follows the node-local rank; data and logs follow the global rank."""
     # as the reference: segments that grow in place, so the stages' larger batches do not fragment memory
     # (read when CUDA first allocates; a setting of the user's own is kept)
     os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    rank, world_size, local_rank, local_world = process_place()
     if hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu or auto")
@@ -4239,14 +4277,15 @@ def main(argv=None):
         try:
             hp = parse_args(argv)
             if hp.plan_memory:  # before anything touches a GPU; under torchrun, rank 0 prints
-                lines = plan_report(hp, int(os.environ.get("WORLD_SIZE", 1)))
-                if int(os.environ.get("RANK", 0)) == 0:
+                place = process_place()
+                lines = plan_report(hp, place.world_size)
+                if place.rank == 0:
                     print("\n".join(lines))
                 return None
             trainer = Trainer(hp, portable_argv(argv), stop, lifetime)
             return trainer.run()
         except Preempted as e:
-            if int(os.environ.get("RANK", 0)) == 0:
+            if os.environ.get("RANK", "0").strip() in ("", "0"):  # (also when RANK is not a number)
                 print(f"train_gpt.py: {e}", file=sys.stderr)
             if trainer is not None:
                 trainer.log.record_ending(str(e))
