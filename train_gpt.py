@@ -3190,10 +3190,11 @@ def load_checkpoint(path):
         raise DataError(f"{path}: cannot read checkpoint ({e.strerror})")
     header_len = len(CHECKPOINT_MAGIC) + 65
     if not raw.startswith(CHECKPOINT_MAGIC) or len(raw) < header_len:
-        raise DataError(f"{path}: not a speedrun checkpoint (bad header); pass a file written by --save_every")
+        raise DataError(f"{path}: not a speedrun checkpoint (bad header); pass a checkpoint train_gpt.py wrote "
+                        f"(--save_every, --save_checkpoint or a stop signal: step_NNNNNN.pt, final.pt)")
     digest, data = raw[len(CHECKPOINT_MAGIC): header_len - 1].decode(), raw[header_len:]
     if hashlib.sha256(data).hexdigest() != digest:
-        raise DataError(f"{path}: checkpoint is corrupt or truncated (checksum mismatch); resume from an earlier one")
+        raise DataError(f"{path}: checkpoint is corrupt or truncated (checksum mismatch); use an earlier checkpoint")
     try:
         snap = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as e:  # a sound file whose contents this torch cannot read
@@ -3310,13 +3311,28 @@ def check_outputs(hp, log_path, checkpoint_folder, total_steps):
     return True
 
 
-def checkpoint_to_resume(hp, checkpoint_folder, log):
+def logged_checkpoints(log_path):
+    """The checkpoint files a run's log says it wrote (periodic, final, at a stop signal), oldest first."""
+    text = Path(log_path).read_text(encoding="utf-8", errors="replace")
+    return re.findall(r"^(?:saved checkpoint |preempted at step \d+ by [^,]*, checkpoint )(.+?\.pt)(?:;|$)", text, re.M)
+
+
+def checkpoint_to_resume(hp, checkpoint_folder, log, continuing=False):
     """(path, snapshot) to continue from: --resume PATH, or for --resume auto the newest sound checkpoint
-    of the run; (None, None) to start at step 0."""
+    of the run; (None, None) to start at step 0. A continued log (rank 0's `continuing`) that records a
+    checkpoint when none is left is refused: starting afresh would throw the logged work away."""
     if hp.resume != "auto":
         return (hp.resume, load_checkpoint(hp.resume)) if hp.resume else (None, None)
     path, snap = newest_sound_checkpoint(checkpoint_folder, log)
     if path is None:
+        stale = remove_stale_temp_files(checkpoint_folder) if Path(checkpoint_folder).is_dir() else []
+        recorded = logged_checkpoints(log.path) if continuing else []
+        if recorded:
+            removed = f" (removed {len(stale)} temp file(s) of interrupted writes there)" if stale else ""
+            raise ConfigError(f"--resume auto: {log.path} records the checkpoint {recorded[-1]}, but {checkpoint_folder} "
+                              f"holds no checkpoint{removed}; put it back, or move the log away to start the run afresh")
+        if stale:
+            log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in {checkpoint_folder}")
         log(f"--resume auto: no checkpoint in {checkpoint_folder} yet; starting at step 0")
     return path, snap
 
@@ -3827,7 +3843,7 @@ class Trainer:
             self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
             self.loader, self.val_tokens, val_files = open_data(hp, self.rank, self.world_size, self.device, self.accum,
                                                                 self.log)
-            self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder, self.log)
+            self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder, self.log, continuing)
             if self.resume_from is not None:
                 check_resumable(self.resume_path, self.resume_from, hp, self.total_steps)
         check_ranks_agree(rank_settings(hp, self.device, self.loader.files, val_files,

@@ -237,6 +237,35 @@ def test_a_log_that_is_not_this_runs_is_not_continued(logged_run, capsys, extra,
     assert log.read_text() == before
 
 
+@pytest.mark.parametrize("logged", ["preempted", "saved", "none"])
+def test_resume_auto_refuses_a_fresh_start_when_the_log_records_a_missing_checkpoint(logged_run, capsys, logged):
+    """The checkpoint folder holds only the temp file of a killed write while the log says the run was
+    preempted with (or saved) step_000006.pt: starting at step 0 would throw the logged work away. The
+    stale temp file is removed either way; without a logged checkpoint the run starts at step 0."""
+    log, argv = logged_run
+    folder = log.parent / "checkpoints" / "mine"
+    folder.mkdir(parents=True)
+    gone = 2 ** 22 + 1  # above Linux's largest pid (PID_MAX_LIMIT): a process that is not there
+    stale = folder / f".step_000008.pt~{platform.node()}~{gone}~0badc0de.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    checkpoint = folder / "step_000006.pt"
+    line = {"preempted": f"preempted at step 6 by SIGTERM, checkpoint {checkpoint}; continue with --resume auto --run_id "
+                         f"mine", "saved": f"saved checkpoint {checkpoint}", "none": "step:6/8 train_time:9ms"}[logged]
+    log.write_text(log.read_text() + line + "\n")
+    before = log.read_text()
+    if logged == "none":
+        with pytest.MonkeyPatch.context() as patch:  # only the start: no need to train
+            patch.setattr(tg.Trainer, "run", lambda self: self.loader.close())
+            _, code, err = run_main(argv, capsys)
+        assert code == 0 and "starting at step 0" in log.read_text(), err
+    else:
+        _, code, err = run_main(argv, capsys)
+        one_line_error(code, err, f"{log} records the checkpoint {checkpoint}", f"{folder} holds no checkpoint",
+                       "removed 1 temp file")
+        assert log.read_text() == before
+    assert not stale.exists()
+
+
 def test_a_new_run_does_not_overwrite_the_checkpoints_of_its_id(corpus, tmp_path, capsys):
     folder = tmp_path / "checkpoints" / "old"
     folder.mkdir(parents=True)

@@ -157,10 +157,15 @@ def test_missing_corrupt_and_foreign_checkpoints(tmp_path, capsys):
     data = bytearray(tiny_checkpoint(tmp_path / "good.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF
     corrupt.write_bytes(bytes(data))
-    one_line_error(*run_sample([corrupt, "--prompt", "abc"], capsys)[::2], "corrupt or truncated")
+    one_line_error(*run_sample([corrupt, "--prompt", "abc"], capsys)[::2], "corrupt or truncated", "use an earlier checkpoint")
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(bytes(data[: len(data) // 2]))
+    code, _, err = run_sample([truncated, "--prompt", "abc"], capsys)
+    one_line_error(code, err, "corrupt or truncated")
+    assert "resume" not in err  # the words fit sampling as well as resuming
     plain = tmp_path / "plain.pt"
     torch.save({"weights": torch.zeros(3)}, plain)  # a torch file, but not one of this trainer
-    one_line_error(*run_sample([plain, "--prompt", "abc"], capsys)[::2], "not a speedrun checkpoint")
+    one_line_error(*run_sample([plain, "--prompt", "abc"], capsys)[::2], "not a speedrun checkpoint", "final.pt")
     foreign = tmp_path / "foreign.pt"
     tg.save_checkpoint(foreign, {"model": {}})
     one_line_error(*run_sample([foreign, "--prompt", "abc"], capsys)[::2], "not a checkpoint of this trainer")
@@ -174,6 +179,10 @@ def test_bad_prompts_and_flags(tmp_path, capsys):
     one_line_error(*run_sample([checkpoint], capsys)[::2], "--prompt", "--eval")
     one_line_error(*run_sample([checkpoint, "--prompt", "x" * 255], capsys)[::2], "256 tokens", "--max_seq_len")
     one_line_error(*run_sample([checkpoint, "--prompt", "x", "--top_k", -1], capsys)[::2], "--top_k must be >= 0")
+    for temperature in ("nan", "inf", "-0.5"):
+        one_line_error(*run_sample([checkpoint, "--prompt", "x", "--temperature", temperature], capsys)[::2],
+                       "--temperature must be a finite number >= 0", f"got {float(temperature)}")
+    one_line_error(*run_sample([checkpoint, "--prompt", "x", "--cpu_threads", 0], capsys)[::2], "--cpu_threads must be positive")
     one_line_error(*run_sample([checkpoint, "--prompt", "x", "--max_new_tokens", "many"], capsys)[::2], "invalid int")
     one_line_error(*run_sample([checkpoint, "--eval", tmp_path / "none_*.bin"], capsys)[::2], "matches no file")
     code, out, err = run_sample([checkpoint, "--prompt", "x" * 254, "--max_new_tokens", 5], capsys)  # room for 1

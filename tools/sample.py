@@ -22,10 +22,12 @@ is one line `sample.py: error: ...` on stderr and exit status 2.
 """
 import argparse
 import glob
+import math
 import sys
 import time
 from pathlib import Path
 
+STARTED = time.perf_counter()  # before the imports: the start-up figure counts them
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "data")]
 
@@ -48,6 +50,9 @@ def build_parser():
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: 0)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: CUDA when present, else CPU (default: auto)")
+    parser.add_argument("--cpu_threads", type=int, default=1,
+                        help="torch threads on CPU (default: 1; the model's operations are too small to share, and a "
+                             "second thread on a busy machine waits for its turn at every one of them)")
     parser.add_argument("--bpe", metavar="PATH", help="r50k_base.tiktoken ranks file for offline use (sha256 checked)")
     parser.add_argument("--eval", metavar="GLOB", help="print the mean loss on these shards instead of sampling")
     parser.add_argument("--eval_tokens", type=int, default=0,
@@ -61,9 +66,11 @@ def check_args(args):
     if args.prompt is not None and not args.prompt.strip():
         raise tg.ConfigError("--prompt is empty; give the model some text to continue")
     for name, ok, meaning in (("max_new_tokens", args.max_new_tokens > 0, "must be positive"),
-                              ("temperature", args.temperature >= 0, "must be >= 0"),
+                              ("temperature", math.isfinite(args.temperature) and args.temperature >= 0,
+                               "must be a finite number >= 0 (0: the likeliest token each time)"),
                               ("top_k", args.top_k >= 0, "must be >= 0"),
-                              ("eval_tokens", args.eval_tokens >= 0, "must be >= 0")):
+                              ("eval_tokens", args.eval_tokens >= 0, "must be >= 0"),
+                              ("cpu_threads", args.cpu_threads > 0, "must be positive")):
         if not ok:
             raise tg.ConfigError(f"--{name} {meaning}, got {getattr(args, name)}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -178,6 +185,7 @@ def evaluate(args, snap, hp, device):
 def main(argv=None, enc=None):
     """Sample or evaluate; `enc` (a tiktoken Encoding) replaces the GPT-2 BPE (tests)."""
     args = build_parser().parse_args(argv)
+    threads = torch.get_num_threads()
     try:
         check_args(args)
         device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -185,6 +193,7 @@ def main(argv=None, enc=None):
         if args.eval is None and enc is None:
             import fineweb  # data/fineweb.py: the GPT-2 BPE, offline from --bpe
             enc = fineweb.load_encoding(args.bpe)
+        torch.set_num_threads(args.cpu_threads)
         snap = tg.load_checkpoint(args.checkpoint)
         hp = checkpoint_hyperparameters(snap)
         if args.eval is not None:
@@ -194,6 +203,8 @@ def main(argv=None, enc=None):
         exit_with_error(PROG, e)
     except OSError as e:
         exit_with_error(PROG, describe_os_error(e))
+    finally:
+        torch.set_num_threads(threads)  # (main runs in the tests' process too)
 
 
 if __name__ == "__main__":
