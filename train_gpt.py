@@ -11,6 +11,20 @@ Importing this module registers two torch ops (speedrun::mm_fp8 and speedrun::mm
 does nothing else; main() runs only under __main__.
 """
 
+import os
+import signal
+import sys
+
+if __name__ == "__main__":  # a stop signal during the imports below (seconds) ends as one before the first step does
+    def _stopped_while_importing(signum, frame):
+        if os.environ.get("RANK", "0").strip() in ("", "0"):
+            print(f"train_gpt.py: stopped by {signal.Signals(signum).name} before the first training step; nothing new "
+                  f"to save", file=sys.stderr)
+        sys.exit(75)  # PREEMPTED_EXIT_CODE (main's StopSignals takes over once the imports are done)
+
+    for _signal in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(_signal, _stopped_while_importing)
+
 import argparse
 import ast
 import concurrent.futures
@@ -25,13 +39,10 @@ import heapq
 import io
 import json
 import math
-import os
 import platform
 import re
 import resource
-import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -4240,7 +4251,7 @@ class MemoryPlan:
 
 
 def plan_report(hp, world_size):
-    """The lines --plan_memory prints; the last reads 'predicted peak per GPU: X GiB' (per process on CPU)."""
+    """The lines --plan_memory prints; the last reads 'predicted peak per process: X GiB' (one GPU's, on GPUs)."""
     gpu_path = hp.device != "cpu"
     plan = MemoryPlan(hp, world_size, gpu_path)
     pieces = micro_step_pieces(hp, world_size, plan.accum)
@@ -4267,7 +4278,7 @@ def plan_report(hp, world_size):
             cut = micro_step_pieces(dataclasses.replace(hp, micro_batch_tokens=cap), world_size, plan.accum)
             fit += f"{cap} (training peak {plan.piece_figures(cap)['peak'] / GiB:.2f} GiB; micro-steps of {describe_pieces(cut)} tokens)"
         lines.append(fit)
-    lines.append(f"predicted peak per {'GPU' if gpu_path else 'process'}: {peak / GiB:.2f} GiB")
+    lines.append(f"predicted peak per process: {peak / GiB:.2f} GiB")
     return lines
 
 # ----------------------------------------------------------------------------------------------

@@ -291,6 +291,28 @@ def test_a_stop_signal_before_training_stops_at_once_and_one_during_training_is_
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["TERM", "USR1"])
+def test_a_stop_signal_during_the_imports_exits_75_with_one_line(tmp_path, name):
+    """The signal arrives exactly when the script imports numpy, its first import after the standard
+    library (torch's import takes seconds more): it used to end the process with 143 and no word."""
+    starter = (f"import builtins, os, runpy, signal, sys\n"
+               f"real = builtins.__import__\n"
+               f"def once(name, *args, **kwargs):\n"
+               f"    if name == 'numpy':\n"
+               f"        builtins.__import__ = real\n"
+               f"        os.kill(os.getpid(), signal.SIG{name})\n"
+               f"    return real(name, *args, **kwargs)\n"
+               f"builtins.__import__ = once\n"
+               f"sys.argv = ['train_gpt.py', '--preset', 'cpu']\n"
+               f"runpy.run_path({str(Path(tg.__file__))!r}, run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", starter], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == tg.PREEMPTED_EXIT_CODE, (done.returncode, done.stderr[-2000:])
+    assert done.stderr == f"train_gpt.py: stopped by SIG{name} before the first training step; nothing new to save\n"
+    assert not (tmp_path / "logs").exists()
+
+
 # ---------------------------------------------------------------------------------------------- ranks agree
 
 
