@@ -237,6 +237,23 @@ def test_a_log_that_is_not_this_runs_is_not_continued(logged_run, capsys, extra,
     assert log.read_text() == before
 
 
+def test_restarts_without_their_settings_are_warned_on_the_terminal_and_in_the_log(corpus, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Under torchrun --max-restarts with the agent's store shared (pytorch#135712), without --resume auto
+    and without --save_every: each warning is a line on stdout (rank 0's terminal) and in the log, written
+    by the first attempt, before any restart can fail in its rendezvous."""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    capsys.readouterr()
+    tg.Trainer(tg.parse_args(short(corpus, "--log_dir", tmp_path, "--run_id", "elastic"))).loader.close()
+    out, log = capsys.readouterr().out, (tmp_path / "elastic.txt").read_text()
+    for needle in ("without --resume auto", "--save_every is 0", "pytorch#135712"):
+        [line] = [line for line in out.splitlines() if needle in line]
+        assert line.startswith("warning: torchrun ") and line in log.splitlines(), line
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert tg.restart_warnings(tg.parse_args(short(corpus, "--resume", "auto", "--run_id", "x", "--save_every", 2))) == []
+
+
 @pytest.mark.parametrize("logged", ["preempted", "saved", "none"])
 def test_resume_auto_refuses_a_fresh_start_when_the_log_records_a_missing_checkpoint(logged_run, capsys, logged):
     """The checkpoint folder holds only the temp file of a killed write while the log says the run was
