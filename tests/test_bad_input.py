@@ -163,7 +163,9 @@ def test_cpu_preset_stays_on_the_cpu_where_cuda_exists(monkeypatch):
     second local rank on one GPU would otherwise ask for cuda:1)."""
     monkeypatch.setattr(tg.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tg.torch, "set_num_threads", lambda n: None)
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(tg.dist, "init_process_group", lambda *args, **kwargs: None)  # (no second process)
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
     assert tg.setup_distributed(tg.parse_args(["--preset", "cpu"]))[2].type == "cpu"
     assert tg.parse_args(["--preset", "cpu", "--device", "cuda"]).device == "cuda"  # an explicit flag wins
     monkeypatch.setattr(tg.torch.cuda, "device_count", lambda: 1)

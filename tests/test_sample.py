@@ -139,6 +139,7 @@ def test_a_two_process_checkpoint_loads(tmp_path, capsys):
     assert code == 0 and out.startswith("val_loss:"), err
 
 
+@pytest.mark.slow  # (in-process, but 201 forwards: ~15 s on 2 busy cores)
 def test_incremental_logits_equal_the_full_forwards_at_every_position(tmp_path):
     """A 200-token generation with every recipe-89 idea on (bigram hash and signs, smear gate, value
     embeddings and their gates, paired heads, XSA, key shift, U-net skip, backout, MUDD, sublayer lambdas,
