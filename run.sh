@@ -9,16 +9,21 @@ cd "$(dirname "$0")"
 python=${PYTHON:-python3}
 args=("$@")
 launch=(--standalone)
-if [ "${RESTARTS:-0}" -gt 0 ]; then
+restarts=${RESTARTS:-0}
+if ! [[ "$restarts" =~ ^[0-9]+$ ]]; then
+  echo "run.sh: error: RESTARTS=$restarts is not a number of restarts; set it to 0 or more (or unset it)" >&2
+  exit 2
+fi
+if [ "$restarts" -gt 0 ]; then
   case " $* " in
     *" --run_id "* | *" --run_id="*) ;;
     *)
       run_id="run-$(date +%Y%m%d-%H%M%S)-$$"
       args=(--run_id "$run_id" "${args[@]}")
-      echo "run.sh: RESTARTS=$RESTARTS: run id $run_id" >&2 ;;
+      echo "run.sh: RESTARTS=$restarts: run id $run_id" >&2 ;;
   esac
   args=(--resume auto "${args[@]}")  # (a --resume of yours comes later and wins)
-  launch+=(--max-restarts "$RESTARTS")
+  launch+=(--max-restarts "$restarts")
   # restarted workers must not find the previous attempt's addresses in torchrun's store (pytorch#135712)
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 fi
@@ -31,7 +36,7 @@ if [ "${gpus:-0}" -gt 0 ]; then
   exec "$python" -m torch.distributed.run "${launch[@]}" --nproc_per_node="$gpus" train_gpt.py "${args[@]}"
 fi
 echo "run.sh: no GPU found; running the cpu preset on one process" >&2
-if [ "${RESTARTS:-0}" -gt 0 ]; then
+if [ "$restarts" -gt 0 ]; then
   exec "$python" -m torch.distributed.run "${launch[@]}" --nproc_per_node=1 train_gpt.py --preset cpu "${args[@]}"
 fi
 exec "$python" train_gpt.py --preset cpu "${args[@]}"

@@ -11,12 +11,27 @@ Importing this module registers two torch ops (speedrun::mm_fp8 and speedrun::mm
 does nothing else; main() runs only under __main__.
 """
 
+import os
+import signal
+import sys
+
+if __name__ == "__main__":  # a stop signal during the imports below (seconds) ends as one before the first step does
+    def _stopped_while_importing(signum, frame):
+        if os.environ.get("RANK", "0").strip() in ("", "0"):
+            print(f"train_gpt.py: stopped by {signal.Signals(signum).name} before the first training step; nothing new "
+                  f"to save", file=sys.stderr)
+        sys.exit(75)  # PREEMPTED_EXIT_CODE (main's StopSignals takes over once the imports are done)
+
+    for _signal in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(_signal, _stopped_while_importing)
+
 import argparse
 import ast
 import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import functools
 import glob
 import hashlib
@@ -24,13 +39,10 @@ import heapq
 import io
 import json
 import math
-import os
 import platform
 import re
 import resource
-import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -3097,6 +3109,47 @@ class RunLog:
                 self._append(line)
 
 
+class RunLock:
+    """One process at a time trains a run id: rank 0 holds an exclusive flock on <log_dir>/<run_id>.lock
+    for the run's life. The kernel drops the lock when the process dies, so a lock left by a killed run is
+    no obstacle; the file names the holder's host and pid for the one refused."""
+
+    def __init__(self, path, log_dir):
+        self.path, self.log_dir, self.fd, self.made = Path(path), log_dir, None, []
+
+    def __enter__(self):
+        check_writable_folder(self.path.parent, "the log folder", self.log_dir)
+        self.made = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while self.fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise ConfigError(f"the run {self.path.name[:-5]!r} is being trained by {holder} (it holds {self.path}); "
+                                  f"wait for that process to end or stop it, or pass another --run_id") from None
+            try:  # the holder before us may have removed the file after we opened it: lock the file that is there
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+            else:
+                os.close(fd)
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, f"host {platform.node()} pid {os.getpid()}\n".encode())
+        return self
+
+    def __exit__(self, *exc):
+        self.path.unlink(missing_ok=True)  # (before the lock goes: a waiting opener then retries a new file)
+        os.close(self.fd)
+        for folder in self.made:  # only folders the lock itself made, and only while empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
 def run_id_taken(path):
     return (f"{path} exists: the run id {path.stem!r} is taken; pass another --run_id (or none for a fresh one), "
             f"or --resume auto to continue that run")
@@ -3148,10 +3201,11 @@ def load_checkpoint(path):
         raise DataError(f"{path}: cannot read checkpoint ({e.strerror})")
     header_len = len(CHECKPOINT_MAGIC) + 65
     if not raw.startswith(CHECKPOINT_MAGIC) or len(raw) < header_len:
-        raise DataError(f"{path}: not a speedrun checkpoint (bad header); pass a file written by --save_every")
+        raise DataError(f"{path}: not a speedrun checkpoint (bad header); pass a checkpoint train_gpt.py wrote "
+                        f"(--save_every, --save_checkpoint or a stop signal: step_NNNNNN.pt, final.pt)")
     digest, data = raw[len(CHECKPOINT_MAGIC): header_len - 1].decode(), raw[header_len:]
     if hashlib.sha256(data).hexdigest() != digest:
-        raise DataError(f"{path}: checkpoint is corrupt or truncated (checksum mismatch); resume from an earlier one")
+        raise DataError(f"{path}: checkpoint is corrupt or truncated (checksum mismatch); use an earlier checkpoint")
     try:
         snap = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as e:  # a sound file whose contents this torch cannot read
@@ -3268,13 +3322,28 @@ def check_outputs(hp, log_path, checkpoint_folder, total_steps):
     return True
 
 
-def checkpoint_to_resume(hp, checkpoint_folder, log):
+def logged_checkpoints(log_path):
+    """The checkpoint files a run's log says it wrote (periodic, final, at a stop signal), oldest first."""
+    text = Path(log_path).read_text(encoding="utf-8", errors="replace")
+    return re.findall(r"^(?:saved checkpoint |preempted at step \d+ by [^,]*, checkpoint )(.+?\.pt)(?:;|$)", text, re.M)
+
+
+def checkpoint_to_resume(hp, checkpoint_folder, log, continuing=False):
     """(path, snapshot) to continue from: --resume PATH, or for --resume auto the newest sound checkpoint
-    of the run; (None, None) to start at step 0."""
+    of the run; (None, None) to start at step 0. A continued log (rank 0's `continuing`) that records a
+    checkpoint when none is left is refused: starting afresh would throw the logged work away."""
     if hp.resume != "auto":
         return (hp.resume, load_checkpoint(hp.resume)) if hp.resume else (None, None)
     path, snap = newest_sound_checkpoint(checkpoint_folder, log)
     if path is None:
+        stale = remove_stale_temp_files(checkpoint_folder) if Path(checkpoint_folder).is_dir() else []
+        recorded = logged_checkpoints(log.path) if continuing else []
+        if recorded:
+            removed = f" (removed {len(stale)} temp file(s) of interrupted writes there)" if stale else ""
+            raise ConfigError(f"--resume auto: {log.path} records the checkpoint {recorded[-1]}, but {checkpoint_folder} "
+                              f"holds no checkpoint{removed}; put it back, or move the log away to start the run afresh")
+        if stale:
+            log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in {checkpoint_folder}")
         log(f"--resume auto: no checkpoint in {checkpoint_folder} yet; starting at step 0")
     return path, snap
 
@@ -3344,7 +3413,7 @@ def check_ranks_agree(settings):
 
 def restart_warnings(hp):
     """What would make torchrun's restarts of this run (--max-restarts) fail or start over."""
-    if not int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+    if not env_int("TORCHELASTIC_MAX_RESTARTS", 0):
         return []
     warnings = []
     if hp.resume != "auto":
@@ -3358,14 +3427,52 @@ def restart_warnings(hp):
     return warnings
 
 
+class ProcessPlace(NamedTuple):
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def env_int(name, default, minimum=0):
+    """An integer environment variable (torchrun's, or the user's), checked like a flag."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"the environment variable {name}={text!r} is not an integer; set it to one (torchrun sets "
+                          f"it for its workers) or unset it") from None
+    if value < minimum:
+        raise ConfigError(f"the environment variable {name}={text} must be >= {minimum}; set it to such a number (torchrun "
+                          f"sets it for its workers) or unset it")
+    return value
+
+
+def process_place():
+    """This process's place in the run from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (one plain process
+    when unset), each a number in range."""
+    place = ProcessPlace(env_int("RANK", 0), env_int("WORLD_SIZE", 1, 1), env_int("LOCAL_RANK", 0),
+                         env_int("LOCAL_WORLD_SIZE", 1, 1))
+    for name, index, size, size_name in (("RANK", place.rank, place.world_size, "WORLD_SIZE"),
+                                         ("LOCAL_RANK", place.local_rank, place.local_world_size, "LOCAL_WORLD_SIZE")):
+        if index >= size:
+            raise ConfigError(f"the environment variable {name}={index} is not below {size_name}={size}; start the "
+                              f"processes with torchrun, or set {name} in 0..{size - 1}")
+    if place.local_world_size > place.world_size:
+        raise ConfigError(f"the environment variable LOCAL_WORLD_SIZE={place.local_world_size} is more than "
+                          f"WORLD_SIZE={place.world_size}; start the processes with torchrun, or fix them")
+    return place
+
+
 def setup_distributed(hp):
     """torchrun (RANK/WORLD_SIZE set) or a single plain process; NCCL on CUDA, gloo on CPU. The device
     follows the node-local rank; data and logs follow the global rank."""
     # as the reference: segments that grow in place, so the stages' larger batches do not fragment memory
     # (read when CUDA first allocates; a setting of the user's own is kept)
     os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    rank, world_size, local_rank, local_world = process_place()
     if hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu or auto")
@@ -3726,7 +3833,8 @@ class TrainClock:
 class Trainer:
     """Holds the run's moving parts: setup in __init__, warm_up(), then run(), the timed loop."""
 
-    def __init__(self, hp, argv=(), stop=None):
+    def __init__(self, hp, argv=(), stop=None, lifetime=None):
+        """`lifetime` (an ExitStack: main's) holds the run lock until the process is done with the run."""
         self.hp, self.stop = hp, stop or StopSignals()  # (one not entered never hears a signal)
         self.rank, self.world_size, self.device = setup_distributed(hp)
         self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
@@ -3736,6 +3844,8 @@ class Trainer:
         with failing_together(self.device):  # everything that can be wrong with the input, before any work
             self.accum = grad_accum_steps(hp, self.world_size)
             check_batch_splits(hp, self.world_size, self.accum)
+            if self.rank == 0 and hp.run_id and lifetime is not None:  # (a fresh uuid needs no lock)
+                lifetime.enter_context(RunLock(self.log.path.parent / f"{self.run_id}.lock", hp.log_dir))
             continuing = self.rank == 0 and check_outputs(hp, self.log.path, self.checkpoint_folder, self.total_steps)
             prefix = "continued by --resume auto with args" if continuing else "args"
             self.log(f"{prefix}: {json.dumps(list(argv))}", console=False)
@@ -3744,7 +3854,7 @@ class Trainer:
             self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
             self.loader, self.val_tokens, val_files = open_data(hp, self.rank, self.world_size, self.device, self.accum,
                                                                 self.log)
-            self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder, self.log)
+            self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder, self.log, continuing)
             if self.resume_from is not None:
                 check_resumable(self.resume_path, self.resume_from, hp, self.total_steps)
         check_ranks_agree(rank_settings(hp, self.device, self.loader.files, val_files,
@@ -4141,7 +4251,7 @@ class MemoryPlan:
 
 
 def plan_report(hp, world_size):
-    """The lines --plan_memory prints; the last reads 'predicted peak per GPU: X GiB' (per process on CPU)."""
+    """The lines --plan_memory prints; the last reads 'predicted peak per process: X GiB' (one GPU's, on GPUs)."""
     gpu_path = hp.device != "cpu"
     plan = MemoryPlan(hp, world_size, gpu_path)
     pieces = micro_step_pieces(hp, world_size, plan.accum)
@@ -4168,7 +4278,7 @@ def plan_report(hp, world_size):
             cut = micro_step_pieces(dataclasses.replace(hp, micro_batch_tokens=cap), world_size, plan.accum)
             fit += f"{cap} (training peak {plan.piece_figures(cap)['peak'] / GiB:.2f} GiB; micro-steps of {describe_pieces(cut)} tokens)"
         lines.append(fit)
-    lines.append(f"predicted peak per {'GPU' if gpu_path else 'process'}: {peak / GiB:.2f} GiB")
+    lines.append(f"predicted peak per process: {peak / GiB:.2f} GiB")
     return lines
 
 # ----------------------------------------------------------------------------------------------
@@ -4190,18 +4300,19 @@ def portable_argv(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     trainer = None
-    with StopSignals() as stop:
+    with StopSignals() as stop, contextlib.ExitStack() as lifetime:
         try:
             hp = parse_args(argv)
             if hp.plan_memory:  # before anything touches a GPU; under torchrun, rank 0 prints
-                lines = plan_report(hp, int(os.environ.get("WORLD_SIZE", 1)))
-                if int(os.environ.get("RANK", 0)) == 0:
+                place = process_place()
+                lines = plan_report(hp, place.world_size)
+                if place.rank == 0:
                     print("\n".join(lines))
                 return None
-            trainer = Trainer(hp, portable_argv(argv), stop)
+            trainer = Trainer(hp, portable_argv(argv), stop, lifetime)
             return trainer.run()
         except Preempted as e:
-            if int(os.environ.get("RANK", 0)) == 0:
+            if os.environ.get("RANK", "0").strip() in ("", "0"):  # (also when RANK is not a number)
                 print(f"train_gpt.py: {e}", file=sys.stderr)
             if trainer is not None:
                 trainer.log.record_ending(str(e))

@@ -725,6 +725,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def write_stdout(data) -> None:
+    """Write text or bytes to stdout, flushed: a failed write (`> FILE` on a full disk, `> /dev/full`) is one
+    RecordError line (a closed pipe stays a BrokenPipeError: `| head` is no error)."""
+    try:
+        sys.stdout.flush()
+        if isinstance(data, bytes):
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        else:
+            sys.stdout.write(data)
+            sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        discard_stdout()
+        raise RecordError(f"cannot write to stdout: {e.strerror or e}") from None
+
+
+def discard_stdout() -> None:
+    """Point stdout's file descriptor at the null device, so that the interpreter's last flush of what
+    stdout still holds cannot fail again (a second message after ours)."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+
+
 def _run(args, extra) -> int:
     if args.cmd == "extract":
         log = first_log(args.log)
@@ -733,9 +760,7 @@ def _run(args, extra) -> int:
         if args.output:
             write_output(args.output, parts.script)
         else:
-            sys.stdout.flush()
-            sys.stdout.buffer.write(parts.script)
-            sys.stdout.buffer.flush()
+            write_stdout(parts.script)
         return 0
     if args.cmd == "replay":
         return replay(args.log, extra, nproc=args.nproc, workdir=args.dir,
@@ -744,13 +769,12 @@ def _run(args, extra) -> int:
         if args.context < 0:
             raise UsageError(f"-U/--context must be >= 0, got {args.context}")
         out = script_diff(args.a, args.b, context=args.context)
-        sys.stdout.write(out)
+        write_stdout(out)
         if not out:
             print("scripts are identical", file=sys.stderr)
         return 0
     if args.cmd == "stats":
-        sys.stdout.write(stats_report(args.paths, target=args.target, alpha=args.alpha,
-                                      against=args.against))
+        write_stdout(stats_report(args.paths, target=args.target, alpha=args.alpha, against=args.against))
         return 0
     if args.cmd == "plot":
         try:
@@ -792,10 +816,7 @@ def main(argv=None) -> int:
         print(f"records.py: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # e.g. `records.py extract LOG | head`
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
+        discard_stdout()
         return 0
 
 

@@ -4,6 +4,8 @@ code, that stderr is exactly one line naming the flag or file, and (for data) th
 the first training step."""
 import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import train_gpt as tg
 from test_training import run_main
 
 BOS = tg.BOS_ID
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +118,54 @@ def test_bad_flag_is_one_line_before_any_work(corpus, tmp_path, capsys, extra, n
     assert not list(tmp_path.glob("*.txt"))  # rejected before a log was even created
 
 
+BAD_ENVIRONMENTS = [
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
+    ({"LOCAL_RANK": "-1"}, "LOCAL_RANK=-1 must be >= 0"),
+    ({"LOCAL_WORLD_SIZE": "x1"}, "LOCAL_WORLD_SIZE='x1' is not an integer"),
+    ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "2", "RANK": "1"}, "LOCAL_WORLD_SIZE=4 is more than WORLD_SIZE=2"),
+    ({"TORCHELASTIC_MAX_RESTARTS": "many"}, "TORCHELASTIC_MAX_RESTARTS='many' is not an integer"),
+]
+
+
+ENVIRONMENT_CASES = [(variables, needle, plan) for variables, needle in BAD_ENVIRONMENTS for plan in (False, True)
+                     if not (plan and "TORCHELASTIC_MAX_RESTARTS" in variables)]  # (no plan reads restart settings)
+
+
+@pytest.mark.parametrize("variables,needle,plan", ENVIRONMENT_CASES,
+                         ids=[" ".join(f"{k}={v}" for k, v in e.items()) + (" --plan_memory" if plan else "")
+                              for e, _, plan in ENVIRONMENT_CASES])
+def test_a_bad_environment_variable_is_one_line_like_a_flag(corpus, tmp_path, capsys, monkeypatch, variables, needle,
+                                                            plan):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    result, code, err = run_main([*tiny(corpus, tmp_path), *(["--plan_memory"] if plan else [])], capsys)
+    assert result is None
+    one_line_error(code, err, f"the environment variable {needle}")
+    assert not list(tmp_path.glob("*.txt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restarts", ["abc", "-1", "1.5", " "])
+def test_run_sh_refuses_a_restarts_that_is_not_a_count(tmp_path, restarts):
+    """It used to print `integer expression expected` twice and train without restarts (or train silently
+    without them for -1). PYTHON names a program that fails if run: the refusal comes before any launch."""
+    done = subprocess.run(["bash", str(REPO / "run.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "RESTARTS": restarts, "PYTHON": "false"})
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr == f"run.sh: error: RESTARTS={restarts} is not a number of restarts; set it to 0 or more " \
+                          f"(or unset it)\n", done.stderr
+
+
 def test_cpu_preset_stays_on_the_cpu_where_cuda_exists(monkeypatch):
     """The tests' configurations use the cpu preset: on a GPU machine they must run as they do here (a
     second local rank on one GPU would otherwise ask for cuda:1)."""
     monkeypatch.setattr(tg.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tg.torch, "set_num_threads", lambda n: None)
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(tg.dist, "init_process_group", lambda *args, **kwargs: None)  # (no second process)
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
     assert tg.setup_distributed(tg.parse_args(["--preset", "cpu"]))[2].type == "cpu"
     assert tg.parse_args(["--preset", "cpu", "--device", "cuda"]).device == "cuda"  # an explicit flag wins
     monkeypatch.setattr(tg.torch.cuda, "device_count", lambda: 1)

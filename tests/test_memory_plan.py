@@ -87,5 +87,5 @@ def test_plan_memory_prints_and_exits_without_training(tmp_path, capsys, monkeyp
                  "head logits saved", "training peak", "validation peak"):
         assert any(line.strip().startswith(name) and line.endswith(" GiB") for line in lines), name
     assert re.fullmatch(r"largest --micro_batch_tokens that fits --gpu_memory_gb 0\.05 \(0\.0 GiB usable\): .+", lines[-2])
-    assert re.fullmatch(r"predicted peak per GPU: \d+\.\d\d GiB", lines[-1])
+    assert re.fullmatch(r"predicted peak per process: \d+\.\d\d GiB", lines[-1])
     assert not (tmp_path / "logs").exists()

@@ -464,6 +464,22 @@ def test_write_to_dev_full_is_one_error(tmp_path, capsys, cmd):
     assert cap.out == ""
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize("cmd", ["extract", "diff", "stats"])
+def test_stdout_on_a_full_disk_is_one_error(tmp_path, cmd):
+    """`records.py CMD ... > /dev/full`: the write (or its flush) fails with ENOSPC; one line, exit 2, and
+    no second complaint from the interpreter's last flush."""
+    log = make_log(tmp_path / "a.txt", n=4, val_every=2)
+    other = make_log(tmp_path / "b.txt", script=SCRIPT.replace("x = 1", "x = 2"), n=4, val_every=2)
+    args = {"extract": [log], "diff": [log, other], "stats": [log]}[cmd]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, str(RECORDS_PY), cmd, *map(str, args)], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr == "records.py: error: cannot write to stdout: No space left on " \
+                                                   "device\n", done.stderr
+
+
 def test_plot_into_an_unwritable_folder(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     log = make_log(tmp_path / "a.txt", n=4, val_every=2)

@@ -9,6 +9,7 @@ cannot be written, a DATA_PATH that does not exist.
 Faults are injected by tests/fault_runner.py at exact steps (signals sent by the process to itself),
 so no test races a timer."""
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -174,6 +175,34 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_in_the_same_log(corpus, t
     assert not re.search(r"^resumed from", log, re.M)
 
 
+@pytest.mark.slow
+def test_one_process_trains_a_run_id_and_a_second_is_refused_until_the_owner_dies(corpus, tmp_path, uninterrupted):
+    """Two SLURM jobs that reuse a run id by mistake: the owner is paused (SIGSTOP) after step 3, past its
+    checkpoint at step 2; a second --resume auto of the id is refused in one line naming the owner's host and
+    pid, and writes nothing. Once the owner is killed with SIGKILL its lock is no obstacle: a new --resume
+    auto takes the run over and ends with the uninterrupted run's val losses, in the one log."""
+    args = short(corpus, "--run_id", "shared", "--save_every", 2, "--resume", "auto")
+    owner = subprocess.Popen([sys.executable, str(RUNNER), *map(str, args)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env={**env(), "FAULT_AFTER_STEP": "0:3:STOP"})
+    try:
+        _, status = os.waitpid(owner.pid, os.WUNTRACED)  # returns once the owner has stopped itself
+        assert os.WIFSTOPPED(status), status
+        log = tmp_path / "logs" / "shared.txt"
+        before = log.read_text()
+        [(code, _, err)] = run_ranks(args, tmp_path)
+        one_line_error(code, err, "the run 'shared' is being trained by", f"pid {owner.pid}",
+                       f"host {platform.node()}", "logs/shared.lock")
+        assert log.read_text() == before
+    finally:
+        owner.kill()
+        owner.wait()
+    [(code, _, err)] = run_ranks(args, tmp_path)
+    assert code == 0, err[-3000:]
+    text = single_log(tmp_path)
+    assert "resumed from logs/checkpoints/shared/step_000002.pt at step 2" in text
+    assert val_losses(text) == uninterrupted(1) and not (tmp_path / "logs" / "shared.lock").exists()
+
+
 def test_resume_auto_needs_a_run_id(corpus, tmp_path, capsys):
     _, code, err = run_main(short(corpus, "--log_dir", tmp_path, "--resume", "auto"), capsys)
     one_line_error(code, err, "--resume auto needs --run_id")
@@ -208,6 +237,52 @@ def test_a_log_that_is_not_this_runs_is_not_continued(logged_run, capsys, extra,
     assert log.read_text() == before
 
 
+def test_restarts_without_their_settings_are_warned_on_the_terminal_and_in_the_log(corpus, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Under torchrun --max-restarts with the agent's store shared (pytorch#135712), without --resume auto
+    and without --save_every: each warning is a line on stdout (rank 0's terminal) and in the log, written
+    by the first attempt, before any restart can fail in its rendezvous."""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    capsys.readouterr()
+    tg.Trainer(tg.parse_args(short(corpus, "--log_dir", tmp_path, "--run_id", "elastic"))).loader.close()
+    out, log = capsys.readouterr().out, (tmp_path / "elastic.txt").read_text()
+    for needle in ("without --resume auto", "--save_every is 0", "pytorch#135712"):
+        [line] = [line for line in out.splitlines() if needle in line]
+        assert line.startswith("warning: torchrun ") and line in log.splitlines(), line
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert tg.restart_warnings(tg.parse_args(short(corpus, "--resume", "auto", "--run_id", "x", "--save_every", 2))) == []
+
+
+@pytest.mark.parametrize("logged", ["preempted", "saved", "none"])
+def test_resume_auto_refuses_a_fresh_start_when_the_log_records_a_missing_checkpoint(logged_run, capsys, logged):
+    """The checkpoint folder holds only the temp file of a killed write while the log says the run was
+    preempted with (or saved) step_000006.pt: starting at step 0 would throw the logged work away. The
+    stale temp file is removed either way; without a logged checkpoint the run starts at step 0."""
+    log, argv = logged_run
+    folder = log.parent / "checkpoints" / "mine"
+    folder.mkdir(parents=True)
+    gone = 2 ** 22 + 1  # above Linux's largest pid (PID_MAX_LIMIT): a process that is not there
+    stale = folder / f".step_000008.pt~{platform.node()}~{gone}~0badc0de.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    checkpoint = folder / "step_000006.pt"
+    line = {"preempted": f"preempted at step 6 by SIGTERM, checkpoint {checkpoint}; continue with --resume auto --run_id "
+                         f"mine", "saved": f"saved checkpoint {checkpoint}", "none": "step:6/8 train_time:9ms"}[logged]
+    log.write_text(log.read_text() + line + "\n")
+    before = log.read_text()
+    if logged == "none":
+        with pytest.MonkeyPatch.context() as patch:  # only the start: no need to train
+            patch.setattr(tg.Trainer, "run", lambda self: self.loader.close())
+            _, code, err = run_main(argv, capsys)
+        assert code == 0 and "starting at step 0" in log.read_text(), err
+    else:
+        _, code, err = run_main(argv, capsys)
+        one_line_error(code, err, f"{log} records the checkpoint {checkpoint}", f"{folder} holds no checkpoint",
+                       "removed 1 temp file")
+        assert log.read_text() == before
+    assert not stale.exists()
+
+
 def test_a_new_run_does_not_overwrite_the_checkpoints_of_its_id(corpus, tmp_path, capsys):
     folder = tmp_path / "checkpoints" / "old"
     folder.mkdir(parents=True)
@@ -231,6 +306,28 @@ def test_a_stop_signal_before_training_stops_at_once_and_one_during_training_is_
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.received == "SIGUSR1"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["TERM", "USR1"])
+def test_a_stop_signal_during_the_imports_exits_75_with_one_line(tmp_path, name):
+    """The signal arrives exactly when the script imports numpy, its first import after the standard
+    library (torch's import takes seconds more): it used to end the process with 143 and no word."""
+    starter = (f"import builtins, os, runpy, signal, sys\n"
+               f"real = builtins.__import__\n"
+               f"def once(name, *args, **kwargs):\n"
+               f"    if name == 'numpy':\n"
+               f"        builtins.__import__ = real\n"
+               f"        os.kill(os.getpid(), signal.SIG{name})\n"
+               f"    return real(name, *args, **kwargs)\n"
+               f"builtins.__import__ = once\n"
+               f"sys.argv = ['train_gpt.py', '--preset', 'cpu']\n"
+               f"runpy.run_path({str(Path(tg.__file__))!r}, run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", starter], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == tg.PREEMPTED_EXIT_CODE, (done.returncode, done.stderr[-2000:])
+    assert done.stderr == f"train_gpt.py: stopped by SIG{name} before the first training step; nothing new to save\n"
+    assert not (tmp_path / "logs").exists()
 
 
 # ---------------------------------------------------------------------------------------------- ranks agree

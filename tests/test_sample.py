@@ -107,7 +107,7 @@ def test_trained_model_continues_the_pattern_deterministically(pattern_run, caps
     # measured after 100 steps: 60/60 (an untrained model draws near-uniformly over 50,257 ids); at
     # temperature 0.8 a few draws may leave the cycle before the model counts as not having learned it
     assert len(new) == 60 and follow >= 54, new
-    assert re.search(r"^60 tokens in [\d.]+ s \([\d.]+ tokens/s\) on cpu; checkpoint step 100, windows \d+/\d+ blocks", err)
+    assert re.search(r"^60 tokens in [\d.]+ s \([\d.]+ tokens/s\) on cpu; first token [\d.]+ s after start; checkpoint step 100, windows \d+/\d+ blocks", err)
     assert run_sample(argv, capsys)[1] == out  # the same seed, the same text
     greedy = run_sample([*argv[:-2], "--temperature", 0], capsys)[1].rstrip("\n")
     assert greedy == prompt + cycle_after(prompt)(60)  # the likeliest token is always the cycle's next
@@ -139,6 +139,42 @@ def test_a_two_process_checkpoint_loads(tmp_path, capsys):
     assert code == 0 and out.startswith("val_loss:"), err
 
 
+@pytest.mark.slow  # (in-process, but 201 forwards: ~15 s on 2 busy cores)
+def test_incremental_logits_equal_the_full_forwards_at_every_position(tmp_path):
+    """A 200-token generation with every recipe-89 idea on (bigram hash and signs, smear gate, value
+    embeddings and their gates, paired heads, XSA, key shift, U-net skip, backout, MUDD, sublayer lambdas,
+    YaRN) and random weights, so no idea is inert as at its zero init; the sequence outgrows the short
+    and the long window. Each step's logits from IncrementalModel equal the logits of one full forward
+    over the final sequence at that position (attention is causal). They differ only in the order of
+    fp32 sums (one row instead of all, a window's keys instead of a padded tile's): measured 1.8e-5 of the
+    largest logit. The bound 1e-4 sits below what one wrong input does: rotary tables one position off
+    give 9e-4, a key shift without the previous key 3e-2 (both measured)."""
+    hp = tg.parse_args(list(map(str, tiny(tmp_path))))
+    torch.manual_seed(0)
+    model = tg.use_cpu_fallbacks(tg.new_model(hp)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+    windows = (1, 3)  # short and long window in blocks of 64: 64 and 192 keys (rows of a paired stream)
+    model.rotary.follow_window(2 * hp.window_block_tokens)
+    model.rotary.follow_window(windows[1] * hp.window_block_tokens)  # YaRN: scaled frequencies
+    ids, steps = [tg.BOS_ID, 464, 3290, 373], []
+    incremental = sample.IncrementalModel(model, hp, windows, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        logits = incremental.logits(ids)[: hp.vocab_size]
+        steps.append(logits)
+        ids.append(sample.next_token(logits.index_fill(0, torch.tensor([tg.BOS_ID]), -torch.inf), 1.0, 0, generator))
+    window = np.array(ids)
+    batch = tg.model_inputs(window, [len(ids) - 1], torch.device("cpu"), tg.bigram_hash(window[:-1], hp.bigram_vocab_size))
+    model.head_loss = lambda x, weight, *_: tg.softcapped(tg.head_matmul(x, weight, None), model.softcap)
+    with torch.no_grad():
+        full = model(batch.inputs, batch.inputs, batch.cu_seqlens, windows, batch.bigram_ids)[:, : hp.vocab_size]
+    full = full[len(ids) - 1 - 200:]  # the positions whose next token was generated
+    difference = (torch.stack(steps) - full).abs().amax(dim=1) / full.abs().amax(dim=1)
+    assert difference.max() < 1e-4, difference.max()
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input: one line, exit status 2
 
@@ -157,10 +193,15 @@ def test_missing_corrupt_and_foreign_checkpoints(tmp_path, capsys):
     data = bytearray(tiny_checkpoint(tmp_path / "good.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF
     corrupt.write_bytes(bytes(data))
-    one_line_error(*run_sample([corrupt, "--prompt", "abc"], capsys)[::2], "corrupt or truncated")
+    one_line_error(*run_sample([corrupt, "--prompt", "abc"], capsys)[::2], "corrupt or truncated", "use an earlier checkpoint")
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(bytes(data[: len(data) // 2]))
+    code, _, err = run_sample([truncated, "--prompt", "abc"], capsys)
+    one_line_error(code, err, "corrupt or truncated")
+    assert "resume" not in err  # the words fit sampling as well as resuming
     plain = tmp_path / "plain.pt"
     torch.save({"weights": torch.zeros(3)}, plain)  # a torch file, but not one of this trainer
-    one_line_error(*run_sample([plain, "--prompt", "abc"], capsys)[::2], "not a speedrun checkpoint")
+    one_line_error(*run_sample([plain, "--prompt", "abc"], capsys)[::2], "not a speedrun checkpoint", "final.pt")
     foreign = tmp_path / "foreign.pt"
     tg.save_checkpoint(foreign, {"model": {}})
     one_line_error(*run_sample([foreign, "--prompt", "abc"], capsys)[::2], "not a checkpoint of this trainer")
@@ -174,6 +215,10 @@ def test_bad_prompts_and_flags(tmp_path, capsys):
     one_line_error(*run_sample([checkpoint], capsys)[::2], "--prompt", "--eval")
     one_line_error(*run_sample([checkpoint, "--prompt", "x" * 255], capsys)[::2], "256 tokens", "--max_seq_len")
     one_line_error(*run_sample([checkpoint, "--prompt", "x", "--top_k", -1], capsys)[::2], "--top_k must be >= 0")
+    for temperature in ("nan", "inf", "-0.5"):
+        one_line_error(*run_sample([checkpoint, "--prompt", "x", "--temperature", temperature], capsys)[::2],
+                       "--temperature must be a finite number >= 0", f"got {float(temperature)}")
+    one_line_error(*run_sample([checkpoint, "--prompt", "x", "--cpu_threads", 0], capsys)[::2], "--cpu_threads must be positive")
     one_line_error(*run_sample([checkpoint, "--prompt", "x", "--max_new_tokens", "many"], capsys)[::2], "invalid int")
     one_line_error(*run_sample([checkpoint, "--eval", tmp_path / "none_*.bin"], capsys)[::2], "matches no file")
     code, out, err = run_sample([checkpoint, "--prompt", "x" * 254, "--max_new_tokens", 5], capsys)  # room for 1
