@@ -1962,6 +1962,24 @@ if HAS_TRITON:
         for kernel, key in ((_xxt_kernel, ["M", "K"]), (_ba_plus_caa_kernel, ["M"]))}
 
 
+@functools.cache
+def _squeeze_interpreter_loop_bounds():
+    """Triton's interpreter holds a scalar kernel argument as a one-element numpy array. Up to Triton 3.6 it turns
+    one used as a loop bound (`range(0, K, BLOCK_K)`) into an int with int(array), which numpy >= 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars"); Triton 3.8 squeezes the array first. Do the
+    same for older versions. Interpreter only: a compiled kernel never runs this code."""
+    from triton.runtime import interpreter
+    if tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2]) >= (3, 8):
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_squeezing(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))  # undone last-in first-out
+
+    interpreter._patch_lang_tensor = patch_tensor_squeezing
+
+
 def _sym_launch(kernel, inp, out, *args, config=None):
     """Launch a lower-triangle kernel on (m, k) / (batch, m, k) input, output (.., m, m); autotuned on
     GPU unless `config` (one of SYM_CONFIGS) is given."""
@@ -1975,8 +1993,9 @@ def _sym_launch(kernel, inp, out, *args, config=None):
         nb = triton.cdiv(M, meta["BLOCK_M"])
         return nb * (nb + 1) // 2, x3.size(0)
 
-    if config is None and os.environ.get("TRITON_INTERPRET") == "1":
-        config = SYM_CONFIGS[0]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _squeeze_interpreter_loop_bounds()
+        config = config or SYM_CONFIGS[0]
     if config is None:
         _AUTOTUNED[kernel][grid](x3, o3, M, *args, *x3.stride(), *o3.stride())
     else:
@@ -2307,12 +2326,17 @@ def normalize_variance(update, second_moment, reduce_dim, beta2):
 
 
 def ema_(average, value, beta):
-    """average <- beta * average + (1 - beta) * value, in place (an Adam moment, a Shampoo factor)."""
+    """average <- beta * average + (1 - beta) * value, in place (an Adam moment, a Shampoo factor). beta is a
+    float, or a 0-dim tensor in compiled code (a new value needs no new graph)."""
+    if isinstance(beta, Tensor):
+        return average.mul_(beta).add_(value * (1 - beta))
     return average.mul_(beta).add_(value, alpha=1 - beta)
 
 
 def ema_square_(average, value, beta):
-    """average <- beta * average + (1 - beta) * value^2, in place (Adam's second moment)."""
+    """average <- beta * average + (1 - beta) * value^2, in place (Adam's second moment); beta as for ema_."""
+    if isinstance(beta, Tensor):
+        return average.mul_(beta).add_(value * value * (1 - beta))
     return average.mul_(beta).addcmul_(value, value, value=1 - beta)
 
 
@@ -2353,10 +2377,13 @@ class DistAdam(ScheduledOptimizer):
                  compile_math=False):
         self.rank, self.world_size = world_info()
         self.state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
-        # the pointwise math compiled (fused) on the GPU, as the reference's is; the per-step factors are
-        # 0-dim CPU tensors so that their values change without recompiling
+        # the pointwise math compiled (fused) on the GPU, as the reference's is; the per-step factors, and
+        # there the betas (float64: 1 - beta as in Python), are 0-dim CPU tensors, so that one graph per shape
+        # serves every parameter group and step
+        self.compiled = compile_math
         self.math = torch.compile(adam_update_, dynamic=False) if compile_math else adam_update_
         self._step_size, self._decay = torch.zeros(()), torch.zeros(())
+        self._betas = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         self._pending, self._gathers = None, []
         self.strict_mask, self.tie, self.tied = strict_mask, tie, tie is not None
         self.param_groups = [dict(params=[p], lr=lr, initial_lr=lr, betas=getattr(p, "betas", None) or betas, eps=eps,
@@ -2448,6 +2475,8 @@ class DistAdam(ScheduledOptimizer):
         # decay factor lr * (lr * wd * wd_mul): it follows the square of the parameter's own lr (an
         # absurd lr saturates the factor instead of raising, so the run stops with the non-finite-loss hint)
         self._decay.fill_(min(lr * group["weight_decay"] * p.wd_mul * lr, FLOAT32_MAX))
+        if self.compiled:
+            beta1, beta2 = (t.fill_(beta) for t, beta in zip(self._betas, (beta1, beta2)))
         return self.math(group["exp_avg"], group["exp_avg_sq"], grad, weight, beta1, beta2, group["eps"],
                          self._step_size, self._decay, self.strict_mask)
 
@@ -2487,12 +2516,14 @@ def split_params_for_optimizers(model):
     return muon, adam
 
 
-def make_optimizers(model, hp):
+def make_optimizers(model, hp, compile_math=None):
     """(matrix optimizer, DistAdam) for the model's parameters. The matrix optimizer is NorMuon (the
-    record; its Polar Express takes the fp32 torch path on a CPU) or a track-3 optimizer."""
+    record; its Polar Express takes the fp32 torch path on a CPU) or a track-3 optimizer. Their pointwise
+    math is compiled on CUDA with --compile (compile_math: None), or as compile_math says."""
     matrix_params, adam_params = split_params_for_optimizers(model)
     embed = getattr(model, "embed", None)
-    compile_math = model.lm_head.weight.device.type == "cuda" and hp.compile
+    if compile_math is None:
+        compile_math = model.lm_head.weight.device.type == "cuda" and hp.compile
     adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd, hp.adam_state_dtype,
                     hp.adam_cautious_mask == "strict", tie=None if embed is None else (model.lm_head.weight, embed),
                     compile_math=compile_math)

@@ -285,6 +285,31 @@ def test_distadam_matches_reference_adam_and_steps_on_odd_steps_only():
         assert group["step"] == STEPS // 2
 
 
+def test_adam_update_with_tensor_betas_matches_float_betas():
+    """The compiled path's betas, 0-dim float64 tensors (one graph for every group), give the float path's
+    update up to one rounding: (1 - beta) * grad is rounded before the add, which the float path fuses."""
+    g = torch.Generator().manual_seed(7)
+    exp_avg, exp_avg_sq, grad, weight = (torch.randn(64, 32, generator=g) for _ in range(4))
+    exp_avg_sq = exp_avg_sq.square()
+    betas = (0.9, 0.99)
+    results = []
+    for b1, b2 in (betas, [torch.tensor(beta, dtype=torch.float64) for beta in betas]):
+        state = [t.clone() for t in (exp_avg, exp_avg_sq, grad, weight)]
+        new_weight = tg.adam_update_(*state, b1, b2, 1e-8, torch.tensor(0.01), torch.tensor(1e-4), False)
+        results.append((state[0], state[1], new_weight))
+    eps = torch.finfo(torch.float32).eps
+    (m, v, w), (m_t, v_t, w_t) = results
+    assert not torch.equal(m, exp_avg) and not torch.equal(w, weight)
+    # each moment: at most three roundings of half an ulp apart, each of a term no larger than
+    # |beta x old| + |(1 - beta) x new| (measured: up to 1.04 ulps of that sum)
+    assert torch.all((m_t - m).abs() <= 1.5 * eps * (0.9 * exp_avg.abs() + 0.1 * grad.abs()))
+    assert torch.all((v_t - v).abs() <= 1.5 * eps * (0.99 * exp_avg_sq + 0.01 * grad.square()))
+    # the weight's step m / (sqrt(v) + eps) x step size inherits a few ulps of relative difference from the
+    # moments; the new weight's own rounding adds an ulp of |weight|
+    step = (w - weight).abs()
+    assert torch.all((w_t - w).abs() <= 8 * eps * (step + weight.abs()))
+
+
 def test_distadam_one_process_owns_every_row():
     g = torch.Generator().manual_seed(5)
     p = _param(g, (3, 4), "lm_head")  # 3 rows: only world size 1 divides them

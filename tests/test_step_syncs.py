@@ -107,25 +107,98 @@ def test_the_count_would_catch_a_sync_in_the_optimizer(trainer, monkeypatch):
     assert len(counter.syncs()) == expected
 
 
+def run_smoke(*flags):
+    return subprocess.run(["bash", str(ROOT / "tools" / "gpu_smoke.sh"), "--dry-run", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
+
+
+CHECK_LINE = re.compile(r"(PASS|FAIL|SKIP|INFO) (\w+) \[[\d.]+ s, budget \d+ s(, over)?\]: ")
+DEADLINE_LINE = re.compile(r"SKIP (\w+) \(deadline\): (\d+) s elapsed \+ budget (\d+) s > (\d+) s")
+PLAN_LINE = re.compile(r"plan: (\d+) checks, (\d+) compiles \((.*)\) and (\d+) sizes autotuned on CUDA, budget (\d+) s "
+                       r"\(CPU dry run; on CUDA: (\d+) s\)")
+COUNTS_LINE = re.compile(r"smoke: (\d+) passed, (\d+) failed, (\d+) skipped")
+
+
+def statuses(lines):
+    """{check: status} from the check lines and the deadline's SKIP lines, in order."""
+    found = {}
+    for line in lines:
+        m = CHECK_LINE.match(line)
+        if m:
+            found[m[2]] = m[1]
+        elif DEADLINE_LINE.match(line):
+            found[DEADLINE_LINE.match(line)[1]] = "deadline"
+    return found
+
+
+def assert_counts(lines, found):
+    counts = COUNTS_LINE.fullmatch(lines[-1])
+    assert counts, lines[-1]
+    values = list(found.values())
+    assert [int(n) for n in counts.groups()] == [values.count("PASS") + values.count("INFO"), values.count("FAIL"),
+                                                  values.count("SKIP") + values.count("deadline")], (lines[-1], found)
+
+
 @pytest.mark.slow
 def test_gpu_smoke_script_dry_run():
-    """tools/gpu_smoke.sh --dry-run, with this interpreter: the plan first, then every check at toy sizes on
-    CPU, each with its seconds and budget; none fails, and the only SKIPs are the CUDA-only checks."""
-    result = subprocess.run(["bash", str(ROOT / "tools" / "gpu_smoke.sh"), "--dry-run"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
+    """tools/gpu_smoke.sh --dry-run, with this interpreter: the plan first (every compile CUDA would make,
+    and the budget of its table: at most 420 s, leaving a rerun in a 600 s command), then every check at toy
+    sizes on CPU, each with its seconds and budget; none fails, and the only SKIPs are the CUDA-only checks."""
+    result = run_smoke("--deadline", "100000")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     lines = result.stdout.splitlines()
-    plan = re.fullmatch(r"plan: (\d+) checks, (\d+) graphs to compile on CUDA, budget (\d+) s \(CPU dry run; on CUDA: "
-                        r"(\d+) s\)", lines[0])
+    plan = PLAN_LINE.fullmatch(lines[0])
     assert plan, lines[0]
-    checks = {m[2]: m for m in (re.match(r"(PASS|FAIL|SKIP|INFO) (\w+) \[[\d.]+ s, budget \d+ s(, over)?\]: ", line)
-                                for line in lines) if m}
     names = smoke_checks.check_names()
-    assert list(checks) == names and int(plan[1]) == len(names), (list(checks), lines)
+    found = statuses(lines)
+    assert list(found) == names and int(plan[1]) == len(names), (list(found), lines)
     cuda_plan = smoke_checks.SmokePlan(torch.device("cuda"), None)
-    assert int(plan[2]) == len(cuda_plan.graphs()) > 0 and int(plan[4]) == round(cuda_plan.budget_s())
+    kinds = [kind for kind, _ in cuda_plan.graphs()]
+    assert int(plan[2]) == len(kinds) - kinds.count("autotune") and int(plan[4]) == kinds.count("autotune")
+    for kind in ("training", "DistAdam", "NorMuon", "Triton kernels", "FP8 head"):
+        assert re.search(rf"\b\d+ {kind}\b", plan[3]), plan[3]
+    assert int(plan[6]) == round(cuda_plan.budget_s()) <= 420
     assert f"`{cuda_plan.plan_line()}`" in (ROOT / "README.md").read_text(encoding="utf-8")  # the README's example
-    assert {n for n, m in checks.items() if m[1] == "SKIP"} == {c.name for c in cuda_plan.checks if c.cuda_only}
-    assert not [n for n, m in checks.items() if m[1] == "FAIL"]
-    assert checks["train_steps_move_every_parameter"][1] == "PASS"
-    assert lines[-1].startswith("PASS overall: 0 failed check(s)")
+    assert {n for n, status in found.items() if status == "SKIP"} == {c.name for c in cuda_plan.checks if c.cuda_only}
+    assert "FAIL" not in found.values() and found["train_steps_move_every_parameter"] == "PASS"
+    assert lines[-2].startswith("PASS overall") and "failed: none" in lines[-2]
+    assert_counts(lines, found)
+
+
+@pytest.mark.slow
+def test_gpu_smoke_deadline_skips_what_would_end_past_it():
+    """--deadline 20: a check whose budget (with the record run's phases it needs) would end past 20 s from
+    the process start is skipped with a SKIP ... (deadline) line, the rest run; exit 0, and the last lines
+    say how to rerun the skipped ones and count every check."""
+    result = run_smoke("--deadline", "20")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    found = statuses(lines)
+    assert list(found) == smoke_checks.check_names(), lines
+    plan = smoke_checks.SmokePlan(torch.device("cpu"), None)
+    late = [n for n, status in found.items() if status == "deadline"]
+    for line in lines:
+        m = DEADLINE_LINE.match(line)
+        if m:
+            assert int(m[2]) + int(m[3]) > int(m[4]) == 20, line
+    # the timed loop's checks need 8 + 8 + 6 s of the record run's phases on top of their own: never in 20 s
+    assert {"compiles_in_timed_loop", "host_syncs_per_step", "compiled_vs_eager"} <= set(late), found
+    assert plan.budget_s(plan.check("compiles_in_timed_loop")) > 20
+    assert not [n for n, status in found.items() if status == "SKIP" and not plan.check(n).cuda_only]
+    assert f"--only {','.join(late)}" in lines[-3]
+    assert_counts(lines, found)
+
+
+@pytest.mark.slow
+def test_gpu_smoke_only_runs_the_named_checks():
+    """--only reruns chosen checks (in the plan's order), and names an unknown one in a one-line error."""
+    result = run_smoke("--only", "polar_express_triton,fp8_head")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("plan: 2 checks, ")
+    found = statuses(lines)
+    assert found == {"fp8_head": "PASS", "polar_express_triton": "PASS"}, lines
+    assert lines[-1] == "smoke: 2 passed, 0 failed, 0 skipped"
+    bad = run_smoke("--only", "fp8_head,no_such_check")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines()[-1].startswith("gpu_smoke.py: error: --only: unknown check(s) no_such_check;")

@@ -22,19 +22,33 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt as tg
 
 ROOT = Path(__file__).resolve().parents[1]
-# The 8xH100 record: 393,216 tokens per step in 90.5 ms on 8 GPUs; one GPU has to reach this before any
-# communication is added.
-RECORD_PACE_TOKENS_PER_GPU = 543_000
+# The record's pace, #89's measured figure on 8xH100: stage 3 at 82.7 ms per step for 49,152 tokens per GPU, that
+# is 594k tokens/s per GPU. One GPU has to reach this before any communication is added.
+RECORD_STAGE3_MS, RECORD_STAGE3_TOKENS_PER_GPU = 82.7, 49_152
+RECORD_PACE_TOKENS_PER_GPU = round(RECORD_STAGE3_TOKENS_PER_GPU / (RECORD_STAGE3_MS / 1000))
+RECORD_PACE_LABEL = (f"{RECORD_PACE_TOKENS_PER_GPU / 1000:.0f}k tokens/s per GPU on 8xH100 (#89's stage 3: "
+                     f"{RECORD_STAGE3_MS} ms per step at {RECORD_STAGE3_TOKENS_PER_GPU:,} tokens per GPU)")
 H100_BYTES = 80 * 2**30
-# Cold compile seconds assumed per graph on one H200 (16 CPU cores compile), for the budgets: estimates,
-# not measurements; the run prints the measured seconds of each.
-# The training step's figure includes the Triton autotuning of Polar Express's kernels in its first optimizer step.
-COMPILE_BUDGET_S = {"training": 130, "fp8": 5, "validation": 45, "flex": 30}
+# Cold compile seconds per unit on one H200 (16 CPU cores compile), by kind: the plan's estimates, not
+# measurements. On CUDA each compile prints its measured seconds next to its estimate (report_compile).
+COMPILE_BUDGET_S = {
+    "training": 100,  # the record model's forward+backward at one micro-batch length (with FlexAttention's templates)
+    "validation": 45,  # its validation forward
+    "fp8": 5,  # one FP8 head helper: its forward or backward at one shape, with or without gradients
+    "flex": 30,  # FlexAttention's forward and backward kernels on their own (the attention check)
+    "adam": 3,  # DistAdam's fused update at one parameter shape
+    "normuon": 3,  # NorMuon's variance normalization or cautious update at one stack shape
+    "triton": 1.5,  # one Polar Express kernel binary: a tile configuration at one specialization of its arguments
+    "autotune": 1,  # timing every tile configuration at one matrix size (its new binaries count as "triton")
+}
+COMPILE_NAMES = {"training": "training", "validation": "validation", "fp8": "FP8 head", "flex": "FlexAttention",
+                 "adam": "DistAdam", "normuon": "NorMuon", "triton": "Triton kernels"}  # autotune: no compile
 # The kernels' dtype and tolerance (max |Triton - torch| / max |torch|): bf16 compiled on CUDA, fp32 under
 # the Triton interpreter on the CPU (it has no bf16 tl.dot)
 KERNEL_PRECISION = {"cuda": (torch.bfloat16, 1e-2), "cpu": (torch.float32, 1e-5)}
@@ -70,10 +84,17 @@ def compiled_graphs():
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def report_compile(device, what, seconds):
-    """Each graph's compile seconds, printed as its first call returns (CUDA only: the CPU runs eagerly)."""
+def compile_estimate_s(graphs):
+    """The plan's seconds for a list of (kind, description) compiles."""
+    return sum(COMPILE_BUDGET_S[kind] for kind, _ in graphs)
+
+
+def report_compile(device, graphs, seconds):
+    """The measured seconds of the compiles in `graphs` ((kind, description)) as their first call returns, next
+    to the plan's estimate (CUDA only: the CPU runs eagerly)."""
     if device.type == "cuda":
-        print(f"compiled {what} in {seconds:.1f} s (first call, its run included)", flush=True)
+        print(f"compiled {'; '.join(what for _, what in graphs)} in {seconds:.1f} s (first call, its run included; "
+              f"estimate {compile_estimate_s(graphs):.0f} s)", flush=True)
 
 
 def relative_error(out, ref):
@@ -207,6 +228,151 @@ def count_host_syncs(trainer, step):
     return len(syncs), count_summary(f"{w.filename}:{w.lineno}" for w in syncs)
 
 
+# ---------------------------------------------------------------------------------------------- compiles
+
+def guard_key(args):
+    """What a dynamic=False graph is keyed on, argument by argument: a tensor's shape, strides and dtype; any
+    other value itself (a float is baked into the graph)."""
+    return tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def polar_kernel_ints(m, n):
+    """The integer arguments of Polar Express's two Triton kernels on a (batch, m, n) input, m <= n (as
+    _sym_launch passes them): XXᵀ (M, K and both tensors' strides) and bA + cA² (M and the strides)."""
+    return (m, n, m * n, n, 1, m * m, m, 1), (m, m * m, m, 1, m * m, m, 1)
+
+
+def triton_specialization(ints):
+    """How Triton specializes integer arguments (equal to 1, a multiple of 16, other): one binary per
+    distinct tuple and tile configuration."""
+    return tuple(1 if v == 1 else 16 if v % 16 == 0 else 0 for v in ints)
+
+
+@dataclass
+class OptimizerCompiles:
+    adam: set  # guard keys of DistAdam's update
+    normuon: set  # (function, guard key) of NorMuon's normalization and cautious update
+    polar_sizes: set  # (m, n), m <= n, of every Polar Express input
+
+    def triton_specializations(self):
+        """{kernel: specializations} of Polar Express's launches at these sizes."""
+        ints = [polar_kernel_ints(m, n) for m, n in self.polar_sizes]
+        return {kernel: {triton_specialization(k[i]) for k in ints} for i, kernel in enumerate(("xxt", "ba_plus_caa"))}
+
+    def autotuned_sizes(self):
+        """The autotuner's keys: XXᵀ's (M, K), bA + cA²'s M."""
+        return [("xxt", size) for size in sorted(self.polar_sizes)] + \
+            [("ba_plus_caa", (m,)) for m in sorted({m for m, _ in self.polar_sizes})]
+
+    def graphs(self):
+        """(kind, description) of each compile, and each autotuned size ("autotune")."""
+        graphs = [("adam", f"DistAdam's update at {key[3][0]}") for key in sorted(self.adam, key=str)]
+        graphs += [("normuon", f"NorMuon's {name} at {key[0][0]}") for name, key in sorted(self.normuon, key=str)]
+        for kernel, specs in self.triton_specializations().items():
+            graphs += [("triton", f"Polar Express's {kernel} kernel, tile configuration {config}, specialization {spec}")
+                       for spec in sorted(specs) for config in tg.SYM_CONFIGS]
+        return graphs + [("autotune", f"autotuning {kernel} at {size}") for kernel, size in self.autotuned_sizes()]
+
+
+@functools.cache
+def optimizer_compiles(argv):
+    """What the optimizers of a run (argv: its flags) compile on one GPU: one step of both on fake tensors (no
+    memory, no GPU; DistAdam's once more after the untie), each compiled function's calls keyed as its graphs
+    are, and the shapes Polar Express gets (NorMuon's normalization receives its output)."""
+    hp = tg.parse_args(list(argv))
+    adam_keys, normuon_keys, sizes = set(), set(), set()
+
+    def recording(fn, keys, name=None):
+        def call(*args):
+            keys.add(guard_key(args) if name is None else (name, guard_key(args)))
+            if name == "normalization":
+                rows, cols = args[0].shape[-2:]
+                sizes.add((min(rows, cols), max(rows, cols)))
+            return fn(*args)
+        return call
+
+    with warnings.catch_warnings(), FakeTensorMode():
+        warnings.simplefilter("ignore")
+        model = tg.planned_model(hp, True, tg.grad_accum_steps(hp, 1))
+        matrix_opt, adam = tg.make_optimizers(model, hp, compile_math=True)  # the compiled path's arguments
+        adam.math = recording(tg.adam_update_, adam_keys)
+        if isinstance(matrix_opt, tg.NorMuon):
+            matrix_opt.polar = dict(tg.GPU_POLAR_EXPRESS, use_triton=False)  # Triton cannot run on fake tensors
+            matrix_opt.normalize = recording(tg.normalize_variance, normuon_keys, "normalization")
+            matrix_opt.apply_update = recording(tg.cautious_update, normuon_keys, "cautious update")
+        tied = adam.tied
+        for step in (1, 3):  # odd: both optimizers step; the second time with the embedding untied
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            tg.step_optimizers(step, matrix_opt, adam, untie_at=1 if tied else None)
+    return OptimizerCompiles(adam_keys, normuon_keys, sizes)
+
+
+class CompileClocks:
+    """On CUDA, the optimizers' compiled functions and Polar Express's autotuners of one Trainer, wrapped so
+    that each call that compiles (or autotunes) prints its seconds next to the plan's estimate; `seconds` sums
+    them (they run inside the training step's first call). undo() puts the originals back."""
+
+    def __init__(self, trainer):
+        self.device, self.seconds, self._undo = trainer.device, 0.0, []
+        self._specs = set()
+        if trainer.device.type != "cuda":
+            return
+        self._wrap(trainer.adam, "math", "adam", "DistAdam's update")
+        if isinstance(trainer.matrix_opt, tg.NorMuon):
+            self._wrap(trainer.matrix_opt, "normalize", "normuon", "NorMuon's normalization")
+            self._wrap(trainer.matrix_opt, "apply_update", "normuon", "NorMuon's cautious update")
+        if tg.HAS_TRITON:
+            for kernel, name in ((tg._xxt_kernel, "xxt"), (tg._ba_plus_caa_kernel, "ba_plus_caa")):
+                tuner = tg._AUTOTUNED[kernel]
+                tg._AUTOTUNED[kernel] = self.TimedTuner(self, tuner, name)
+                self._undo.append(lambda kernel=kernel, tuner=tuner: tg._AUTOTUNED.__setitem__(kernel, tuner))
+
+    def _wrap(self, owner, attribute, kind, what):
+        fn = getattr(owner, attribute)
+
+        def timed(*args):
+            graphs, start = compiled_graphs(), time.perf_counter()
+            result = fn(*args)
+            if compiled_graphs() > graphs:
+                self._report([(kind, f"{what} at {guard_key(args)[0][0]}")], start)
+            return result
+
+        setattr(owner, attribute, timed)
+        self._undo.append(lambda: setattr(owner, attribute, fn))
+
+    def _report(self, graphs, start):
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        report_compile(self.device, graphs, seconds)
+
+    class TimedTuner:
+        """An autotuner (`tuner[grid](...)`) whose launches that tune a new size are timed."""
+
+        def __init__(self, clocks, tuner, name):
+            self.clocks, self.tuner, self.name = clocks, tuner, name
+
+        def __getitem__(self, grid):
+            def launch(x3, o3, M, *args):
+                tuned, start = len(self.tuner.cache), time.perf_counter()
+                self.tuner[grid](x3, o3, M, *args)
+                if len(self.tuner.cache) > tuned:
+                    m, n = x3.shape[-2:]
+                    ints = polar_kernel_ints(m, n)[0 if self.name == "xxt" else 1]
+                    spec = (self.name, triton_specialization(ints))
+                    new = [] if spec in self.clocks._specs else [
+                        ("triton", f"{self.name}, tile configuration {config}") for config in tg.SYM_CONFIGS]
+                    self.clocks._specs.add(spec)
+                    self.clocks._report([("autotune", f"autotuning {self.name} at {(m, n)}"), *new], start)
+            return launch
+
+    def undo(self):
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+
+
 # ---------------------------------------------------------------------------------------------- the record run
 
 def once(phase):
@@ -288,6 +454,7 @@ class RecordRun:
         self.argv = self._argv()
         self.hp = tg.parse_args(self.argv)
         self._phases, self._trainer, self._threads = {}, None, torch.get_num_threads()
+        self.clocks = None
 
     def _argv(self):
         hp = self.size.hp()
@@ -302,9 +469,13 @@ class RecordRun:
 
     # --- what it compiles on CUDA ------------------------------------------------------------------
     def training_graphs(self):
-        """(kind, description) of each graph the training steps compile: one per distinct micro-batch
-        length, with the FP8 head's compiled forward and backward helpers at each (counted unless
-        --fp8 off: planning from a CPU assumes an FP8 GPU)."""
+        """(kind, description) of everything the first training steps compile: the model's graphs, the
+        optimizers' and Polar Express's kernels (with the sizes it autotunes)."""
+        return self.model_training_graphs() + optimizer_compiles(tuple(self.argv)).graphs()
+
+    def model_training_graphs(self):
+        """The model's: one graph per distinct micro-batch length, with the FP8 head's compiled forward and
+        backward helpers at each (counted unless --fp8 off: planning from a CPU assumes an FP8 GPU)."""
         accum = tg.grad_accum_steps(self.hp, 1)
         lengths = sorted({tg.tokens_per_rank(b, 1, accum) for b in self.hp.batch_sizes})
         graphs = [("training", f"the training step at {n:,} tokens per micro-step (forward+backward)") for n in lengths]
@@ -326,6 +497,7 @@ class RecordRun:
         tg.synthetic_corpus(self.folder, train_tokens=max(2 * (steps + 3) * batch, 100_000),
                             val_tokens=hp.val_tokens + 1)
         self._trainer = tg.Trainer(hp, self.argv)
+        self.clocks = CompileClocks(self._trainer)
         return self._trainer
 
     @once
@@ -343,7 +515,7 @@ class RecordRun:
                 losses.append(trainer.train_step(step, *trainer.schedule(step))[0].item())
                 if step == 0:
                     seconds = time.perf_counter() - start
-                    report_compile(self.device, ", ".join(what for _, what in self.training_graphs()), seconds)
+                    report_compile(self.device, self.model_training_graphs(), seconds - self.clocks.seconds)
                 unmoved.append({names[p] for p in names if torch.equal(p, initial[p])})
                 ends.append(len(log))
         finally:
@@ -364,7 +536,7 @@ class RecordRun:
         trainer.validate(tg.window_blocks_at(0, self.hp))  # compiles the validation graph
         synchronize(self.device)
         validation_s = time.perf_counter() - start
-        report_compile(self.device, self.validation_graphs()[0][1], validation_s)
+        report_compile(self.device, self.validation_graphs(), validation_s)
         start = time.perf_counter()
         trainer.warm_up()
         return validation_s, time.perf_counter() - start, compiled_graphs() - graphs
@@ -388,6 +560,8 @@ class RecordRun:
         return TimedLoop(times, train_peak, trainer.stats.eval_peak_bytes, reserved, compiled_graphs() - graphs)
 
     def close(self):
+        if self.clocks is not None:
+            self.clocks.undo()
         if self._trainer is not None:
             self._trainer.loader.close()
             self._trainer = None
@@ -448,8 +622,8 @@ class RecordRun:
             return line + " (CPU: no target)"
         name = torch.cuda.get_device_name(self.device)
         pace_ms = 1000 * batch / trainer.world_size / RECORD_PACE_TOKENS_PER_GPU
-        line += (f" on {name}; the record's pace is {RECORD_PACE_TOKENS_PER_GPU:,} per GPU ({pace_ms:.0f} ms per "
-                 f"step here): {per_gpu / RECORD_PACE_TOKENS_PER_GPU:.0%}")
+        line += (f" on {name}; the record's pace is {RECORD_PACE_LABEL}, {pace_ms:.0f} ms per "
+                 f"step here: {per_gpu / RECORD_PACE_TOKENS_PER_GPU:.0%}")
         if per_gpu < RECORD_PACE_TOKENS_PER_GPU:
             line += f", short by {RECORD_PACE_TOKENS_PER_GPU - per_gpu:,.0f} tokens/s ({1000 * median - pace_ms:.0f} ms per step)"
         if "H200" in name:
@@ -507,9 +681,11 @@ class RecordRun:
         model.train()
         batch = trainer.loader.next_batch(tg.tokens_per_rank(max(hp.batch_sizes), trainer.world_size, trainer.accum),
                                           hp.max_seq_len)
-        windows = trainer.windows[tg.window_blocks_at(trainer.total_steps - 1, hp)]  # the rotary follows these now
+        step = trainer.total_steps - 1
+        windows = trainer.windows[tg.window_blocks_at(step, hp)]  # the rotary follows these now
+        mtp = None if trainer.mtp_weights is None else trainer.mtp_weights[step]  # as train_step passes them
         tokens = batch.inputs.numel()
-        args = (batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids)
+        args = (batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids, mtp)
         compiled = trainer.forward(*args).item() / tokens  # with gradients on: the training graph itself
         attention = model.attention
         model.attention = tg.TiledWindowAttention() if self.device.type == "cuda" else tg.FlexWindowAttention()
@@ -518,8 +694,8 @@ class RecordRun:
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
                 eager = model(*args).item() / tokens
-            for _, what in self.eager_reference_graphs():
-                report_compile(self.device, what, time.perf_counter() - start)
+            if self.eager_reference_graphs():
+                report_compile(self.device, self.eager_reference_graphs(), time.perf_counter() - start)
         finally:
             model.attention = attention
         require(abs(compiled - eager) < 5e-3, f"loss/token compiled {compiled:.5f}, eager {eager:.5f}")
@@ -675,7 +851,7 @@ def check_attention_vs_naive(device, size):
     gy = torch.randn(y.shape, device=device, generator=g)
     grads = torch.autograd.grad(y, leaves, gy.to(y.dtype))
     synchronize(device)
-    report_compile(device, f"FlexAttention forward+backward at {T:,} tokens", time.perf_counter() - start)
+    report_compile(device, [("flex", f"FlexAttention forward+backward at {T:,} tokens")], time.perf_counter() - start)
     ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
     ref = naive_attention(*ref_leaves, docs, window, scale)
     ref_grads = torch.autograd.grad(ref, ref_leaves, gy)
@@ -709,65 +885,113 @@ class Check:
     cuda_only: str = ""  # why it needs CUDA: the CPU reports SKIP
     info: bool = False  # a measurement: INFO, never FAIL
     then: Callable[[], None] = None  # runs after it, whatever its outcome
+    needs: tuple = ()  # the checks whose work runs first when they have not (the record run's phases)
 
-    def budget_s(self, device):
+    def own_budget_s(self, device):
         if device.type != "cuda":
             return 0 if self.cuda_only else self.work_s[1]
-        return self.work_s[0] + sum(COMPILE_BUDGET_S[kind] for kind, _ in self.graphs)
+        return self.work_s[0] + compile_estimate_s(self.graphs)
 
 
 class SmokePlan:
-    """The checks in their order: the record model first (its compile counts, speed and memory must not be
-    disturbed by anything before it), then the checks that need no trainer."""
+    """The checks in order of value: the record model first (its compile counts, speed and memory must not be
+    disturbed by anything before it; the one-step check, the training graph's compile, host syncs, memory),
+    then the checks that need no trainer, the measurements last. `only` (names) runs those checks alone, in
+    this order; a check's budget includes that of the checks it needs that have not run."""
 
-    def __init__(self, device, folder, with_pytest=False):
+    def __init__(self, device, folder, with_pytest=False, only=None):
         self.device, self.size = device, size_for(device)
         self.record = record = RecordRun(device, self.size, folder)
         d, s = device, self.size
-        self.checks = [
+        # what each check compiles on CUDA (the CPU runs eagerly: its plan needs none of it)
+        compiles = (lambda make: make()) if device.type == "cuda" else (lambda make: [])
+        trained = ("train_steps_move_every_parameter",)
+        warm = (*trained, "warm_up")
+        timed = (*warm, "compiles_in_timed_loop")
+        checks = [
             Check("versions", lambda: versions(d), (10, 1)),
-            Check("train_steps_move_every_parameter", record.check_parameters_move, (20, 8), record.training_graphs()),
-            Check("warm_up", record.check_warm_up, (12, 8), record.validation_graphs()),
-            Check("compiles_in_timed_loop", record.check_no_compiles_in_timed_loop, (15, 6)),
-            Check("throughput", record.report_throughput, (1, 1), info=True),
-            Check("memory", record.check_memory, (1, 1), cuda_only="CUDA memory statistics"),
-            Check("memory_plan", record.check_memory_plan, (5, 1), cuda_only="CUDA memory statistics"),
-            Check("host_syncs_per_step", record.check_host_syncs, (5, 3)),
-            Check("compiled_vs_eager", record.check_compiled_vs_eager, (5, 4), record.eager_reference_graphs(),
-                  then=record.close),
-            Check("fp8_head", lambda: check_fp8_head(d, s), (5, 2)),
+            Check("train_steps_move_every_parameter", record.check_parameters_move, (20, 8),
+                  compiles(record.training_graphs)),
+            Check("warm_up", record.check_warm_up, (12, 8), compiles(record.validation_graphs), needs=trained),
+            Check("compiles_in_timed_loop", record.check_no_compiles_in_timed_loop, (15, 6), needs=warm),
+            Check("host_syncs_per_step", record.check_host_syncs, (5, 3), needs=timed),
+            Check("memory", record.check_memory, (1, 1), cuda_only="CUDA memory statistics", needs=timed),
+            Check("memory_plan", record.check_memory_plan, (5, 1), cuda_only="CUDA memory statistics", needs=timed),
+            Check("throughput", record.report_throughput, (1, 1), info=True, needs=timed),
+            Check("compiled_vs_eager", record.check_compiled_vs_eager, (5, 4), compiles(record.eager_reference_graphs),
+                  then=record.close, needs=timed),
+            Check("fp8_head", lambda: check_fp8_head(d, s), (5, 2), compiles(lambda: fp8_head_graphs(record, s))),
+            Check("polar_express_triton", lambda: check_polar_express_triton(d, s), (5, 3),
+                  compiles(lambda: polar_check_graphs(record, s))),
+            Check("attention_vs_naive", lambda: check_attention_vs_naive(d, s), (10, 3),
+                  compiles(lambda: [("flex", f"FlexAttention forward+backward at {s.attention_tokens:,} tokens")])),
+            Check("triton_tile_configs", lambda: check_tile_configs(d, s), (20, 5),
+                  compiles(lambda: tile_check_graphs(record, s))),
             Check("fp8_speed", lambda: report_fp8_speed(d, s), (5, 1), info=True,
                   cuda_only="FP8 hardware speed: no FP8 tensor cores on a CPU"),
-            Check("polar_express_triton", lambda: check_polar_express_triton(d, s), (5, 3)),
             Check("triton_speed", lambda: report_triton_speed(d, s), (5, 1), info=True,
                   cuda_only="compiled Triton kernels: the CPU runs them in the interpreter"),
-            Check("triton_tile_configs", lambda: check_tile_configs(d, s), (20, 5)),
-            Check("attention_vs_naive", lambda: check_attention_vs_naive(d, s), (10, 3),
-                  [("flex", f"FlexAttention forward+backward at {s.attention_tokens:,} tokens")]),
         ]
         if with_pytest:  # heavy: its own process runs these checks again, and tests/test_kernels.py
-            self.checks.append(Check("gpu_tests", lambda: run_pytest(d), (60 + sum(c.work_s[0] for c in self.checks), 120),
-                                     self.graphs()))
+            checks.append(Check("gpu_tests", lambda: run_pytest(d), (60 + sum(c.work_s[0] for c in checks), 120),
+                                [g for c in checks for g in c.graphs]))
+        self.all_checks = checks
+        unknown = sorted(set(only or ()) - {c.name for c in checks})
+        if unknown:
+            raise ValueError(f"unknown check(s) {', '.join(unknown)}; the checks: {', '.join(c.name for c in checks)}")
+        self.checks = [c for c in checks if only is None or c.name in only]
+        self.done = set()  # the checks whose work has run (or been tried)
 
     def check(self, name):
-        return next(c for c in self.checks if c.name == name)
+        return next(c for c in self.all_checks if c.name == name)
+
+    def _with_needs(self, check, done):
+        """The check and the checks it needs that have not run, in order."""
+        return [self.check(n) for n in check.needs if n not in done] + [check]
+
+    def budget_s(self, check=None):
+        """Seconds of one check from here (with the work it needs that has not run), or of the whole plan."""
+        if check is not None:
+            return sum(c.own_budget_s(self.device) for c in self._with_needs(check, self.done))
+        return sum(c.own_budget_s(self.device) for c in self._planned())
+
+    def _planned(self):
+        """Every check the plan runs, those it needs included, once each."""
+        done, planned = set(), []
+        for check in self.checks:
+            for c in self._with_needs(check, done):
+                if c.name not in done:
+                    done.add(c.name)
+                    planned.append(c)
+        return planned
 
     def graphs(self):
-        return [g for c in self.checks for g in c.graphs]
+        return [g for c in self._planned() for g in c.graphs]
 
-    def budget_s(self):
-        return sum(c.budget_s(self.device) for c in self.checks)
+    def compile_summary(self):
+        """"G compiles (T training, ...) and U sizes autotuned" of the plan on CUDA."""
+        kinds = [kind for kind, _ in self.graphs()]
+        parts = [f"{kinds.count(kind)} {name}" for kind, name in COMPILE_NAMES.items() if kind in kinds]
+        compiles = len(kinds) - kinds.count("autotune")
+        kinds_text = f" ({', '.join(parts)})" if parts else ""
+        return f"{compiles} compiles{kinds_text} and {kinds.count('autotune')} sizes autotuned"
 
     def plan_line(self):
-        on_cuda = self if self.device.type == "cuda" else SmokePlan(torch.device("cuda"), None,
-                                                                     with_pytest=any(c.name == "gpu_tests" for c in self.checks))
-        line = f"plan: {len(self.checks)} checks, {len(on_cuda.graphs())} graphs to compile on CUDA, budget {self.budget_s():.0f} s"
+        on_cuda = self if self.device.type == "cuda" else SmokePlan(
+            torch.device("cuda"), None, with_pytest=any(c.name == "gpu_tests" for c in self.all_checks),
+            only=[c.name for c in self.checks])
+        line = f"plan: {len(self.checks)} checks, {on_cuda.compile_summary()} on CUDA, budget {self.budget_s():.0f} s"
         return line if on_cuda is self else f"{line} (CPU dry run; on CUDA: {on_cuda.budget_s():.0f} s)"
+
+    def skips_here(self, check):
+        """A CUDA-only check on the CPU."""
+        return bool(check.cuda_only) and self.device.type != "cuda"
 
     def run(self, check):
         """(status, detail, seconds) of one check: PASS/FAIL, INFO for a measurement, SKIP for a CUDA-only
         check on the CPU; an error is a FAIL with its first line."""
-        if check.cuda_only and self.device.type != "cuda":
+        self.done.update(c.name for c in self._with_needs(check, self.done))
+        if self.skips_here(check):
             return "SKIP", f"needs CUDA: {check.cuda_only}", 0.0
         start = time.perf_counter()
         try:
@@ -784,6 +1008,54 @@ class SmokePlan:
         self.record.close()
 
 
+def added_kernel_graphs(record, sizes):
+    """What Polar Express launches at `sizes` ((M, K) of XXᵀ; M of bA + cA² too) compile and autotune beyond
+    the training run's: a size not autotuned there is timed again; a specialization not seen there compiles
+    every tile configuration."""
+    trained = optimizer_compiles(tuple(record.argv))
+    specs = trained.triton_specializations()
+    tuned = set(trained.autotuned_sizes())
+    graphs = []
+    for m, n in sizes:
+        for kernel, key, ints in (("xxt", (m, n), polar_kernel_ints(m, n)[0]),
+                                  ("ba_plus_caa", (m,), polar_kernel_ints(m, m)[1])):
+            if triton_specialization(ints) not in specs[kernel]:
+                specs[kernel].add(triton_specialization(ints))
+                graphs += [("triton", f"Polar Express's {kernel} kernel, tile configuration {config}, at {key}")
+                           for config in tg.SYM_CONFIGS]
+            if (kernel, key) not in tuned:
+                tuned.add((kernel, key))
+                graphs.append(("autotune", f"autotuning {kernel} at {key}"))
+    return graphs
+
+
+def fp8_head_graphs(record, size):
+    """The FP8 head check's helpers not compiled in training already: a new shape, or the record's 8-GPU
+    gradient scale (training on one GPU divides it by the accumulation steps), compiles them again."""
+    hp = record.hp
+    if hp.fp8 == "off":
+        return []
+    tokens = size.head[0]
+    trained = tg.head_fp8_scales(hp.head_fp8_amax, tg.grad_accum_steps(hp, 1))
+    same_shape = tokens in {tg.tokens_per_rank(b, 1, tg.grad_accum_steps(hp, 1)) for b in hp.batch_sizes}
+    graphs = []
+    if not same_shape or HEAD_FP8_SCALES[:2] != trained[:2]:
+        graphs.append(("fp8", f"the FP8 head's forward at {tokens:,} tokens"))
+    if not same_shape or HEAD_FP8_SCALES != trained:
+        graphs.append(("fp8", f"the FP8 head's backward at {tokens:,} tokens, one micro-step's gradient scale"))
+    return graphs
+
+
+def polar_check_graphs(record, size):
+    """The Polar Express check: a stack of MLP matrices, autotuned at their size."""
+    dim = size.hp().model_dim
+    return added_kernel_graphs(record, [(dim, 4 * dim)])
+
+
+def tile_check_graphs(record, size):
+    """The tile-configuration check launches every configuration with no autotuning: only new binaries."""
+    return [g for g in added_kernel_graphs(record, [size.tile_shape]) if g[0] == "triton"]
+
+
 def check_names():
     return [c.name for c in SmokePlan(torch.device("cpu"), None).checks]
-
