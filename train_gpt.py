@@ -975,9 +975,9 @@ class Rotary(nn.Module):
     def cos_sin(self, seq_len, positions=None):
         """(seq_len, 1, head_dim/2) tables, rounded to bf16 like the reference's cached tables; at `positions`
         (a micro-step piece's positions in its micro-step) instead of 0 ... seq_len - 1 if given."""
-        if positions is None:
-            positions = torch.arange(seq_len, device=self.freqs.device)
-        theta = torch.outer(positions.to(torch.float32), self.freqs)
+        positions = torch.arange(seq_len, device=self.freqs.device, dtype=torch.float32) if positions is None else \
+            positions.to(torch.float32)
+        theta = torch.outer(positions, self.freqs)
         return theta.cos().bfloat16()[:, None, :], theta.sin().bfloat16()[:, None, :]
 
 
@@ -1286,8 +1286,10 @@ class GPT(nn.Module):
             if paired not in tables:
                 if paired:
                     parity = torch.arange(self.num_heads, device=docs.device) % 2
-                    doubled = None if positions is None else (2 * positions[:, None] + torch.arange(2, device=docs.device)).flatten()
-                    tables[paired] = tuple(t.view(seq_len, 2, -1)[:, parity] for t in self.rotary.cos_sin(2 * seq_len, doubled))
+                    doubled = None if positions is None else \
+                        (2 * positions[:, None] + torch.arange(2, device=docs.device)).flatten()
+                    tables[paired] = tuple(t.view(seq_len, 2, -1)[:, parity]
+                                           for t in self.rotary.cos_sin(2 * seq_len, doubled))
                 else:
                     tables[paired] = self.rotary.cos_sin(seq_len, positions)
             mask = self.attention.mask(docs.repeat_interleave(2) if paired else docs, tokens)
