@@ -619,11 +619,12 @@ def model_inputs(window, doc_lengths, device, bigram_ids=None):
     return to_device(window[:-1], window[1:], padded_cu_seqlens(doc_lengths, positions), device, bigram_ids)
 
 
-# A micro-step piece carries the context the uncut micro-step would read outside it: one position before its
-# tokens (the previous token, for the smear gate and the bigram sign of its first token; the key shift's key
-# of the previous document cannot travel so: README, Where a cut falls) and the targets of two positions
-# after them (the multi-token loss of its last positions).
-PIECE_CONTEXT_BEFORE, PIECE_CONTEXT_AFTER = 1, MTP_HORIZON - 1
+# A micro-step piece carries the context the uncut micro-step would read outside it: before its tokens, the
+# document that precedes them, whole (up to max_seq_len tokens: for the smear gate and the bigram sign of
+# its first token its last token, for the key shift that token's key, a function of the whole document; or,
+# where a long document is cut, the document's earlier part), with no loss; after them, the targets of two
+# positions (the multi-token loss of its last positions).
+PIECE_CONTEXT_AFTER = MTP_HORIZON - 1
 NO_TARGET = -1  # a piece's target where the uncut micro-step has none (padding, past the micro-step's end)
 
 
@@ -647,22 +648,24 @@ def pack_documents(doc_lengths, max_piece_tokens):
     return bounds, cut
 
 
-def padded_piece_length(tokens, max_piece_tokens):
-    """Positions of the forward a micro-step of `tokens` runs as: all of them uncut, else the fixed length
-    of its pieces (at most max_piece_tokens tokens and the context they carry)."""
+def padded_piece_length(tokens, max_piece_tokens, max_seq_len):
+    """Positions of the forward a micro-step of `tokens` (documents of at most max_seq_len) runs as: all of
+    them uncut, else the fixed length of its pieces (at most max_piece_tokens tokens and their context)."""
     if not max_piece_tokens or tokens <= max_piece_tokens:
         return tokens
-    return max_piece_tokens + PIECE_CONTEXT_BEFORE + PIECE_CONTEXT_AFTER
+    return max_piece_tokens + max_seq_len + PIECE_CONTEXT_AFTER
 
 
 def piece_inputs(window, doc_lengths, start, stop, length, device, bigram_ids=None):
     """The Batch of the micro-step piece [start, stop) of `window` (the micro-step's inputs and its last
     target; documents `doc_lengths`; bigram ids hashed over the whole micro-step), padded to `length`
-    positions: [previous token][the piece's tokens][padding]. The previous token (none for the first piece)
-    and the padding are documents of their own with no loss; the two targets after the piece's last
-    position ride on the first positions after it; the rotary positions are the micro-step's."""
-    before, tokens, total = int(start > 0), stop - start, len(window) - 1
-    first = start - before  # the micro-step position of the piece's position 0
+    positions: [context][the piece's tokens][padding]. The context is the micro-step from the start of the
+    document holding the token before the piece (none for the first piece) up to the piece, with its document
+    boundaries and no loss; the two targets after the piece's last position ride on the first positions after
+    it; the padding is a document of its own with no loss; the rotary positions are the micro-step's."""
+    ends = np.cumsum(doc_lengths)
+    first = int((ends - doc_lengths)[np.searchsorted(ends, start - 1, side="right")]) if start else 0
+    before, tokens, total = start - first, stop - start, len(window) - 1
     inputs = np.zeros(length, dtype=np.int64)  # padding: any token of every vocabulary
     inputs[: before + tokens] = window[first: stop]
     targets = np.full(length, NO_TARGET, dtype=np.int64)
@@ -670,11 +673,11 @@ def piece_inputs(window, doc_lengths, start, stop, length, device, bigram_ids=No
     targets[before: before + tokens + after] = window[start + 1: stop + 1 + after]
     loss_mask = np.zeros(length, dtype=bool)
     loss_mask[before: before + tokens] = True
-    lengths = [before, *cut_lengths(doc_lengths, start, stop), length - before - tokens]
+    lengths = [*cut_lengths(doc_lengths, first, stop), length - before - tokens]
     ids = None
     if bigram_ids is not None:
         ids = np.full(length, bigram_ids[0], dtype=np.int32)  # the reserved row, as at position 0
-        ids[before: before + tokens] = bigram_ids[start:stop]
+        ids[: before + tokens] = bigram_ids[first:stop]
     return to_device(inputs, targets, padded_cu_seqlens([n for n in lengths if n], length), device, ids,
                      np.arange(first, first + length), loss_mask)
 
@@ -786,7 +789,7 @@ class TrainLoader:
         if rank_tokens <= max_piece_tokens:
             return [model_inputs(buf, lengths, self.device, bigram_ids)]
         bounds, cut = pack_documents(cut_lengths(lengths, 0, rank_tokens), max_piece_tokens)
-        length = padded_piece_length(rank_tokens, max_piece_tokens)
+        length = padded_piece_length(rank_tokens, max_piece_tokens, max_seq_len)
         self.piece_counts += (rank_tokens, length * len(bounds), cut)
         return [piece_inputs(buf, lengths, start, stop, length, self.device, bigram_ids) for start, stop in bounds]
 
@@ -3517,15 +3520,21 @@ def failing_together(device, during="setup"):
 
 
 def micro_step_pieces(hp, world_size, accum):
-    """{tokens of a micro-step per rank: the positions of each forward it runs as} for each batch size of the
-    run (one compiled length per batch size)."""
-    return {tokens: padded_piece_length(tokens, hp.micro_batch_tokens)
-            for tokens in (tokens_per_rank(batch, world_size, accum) for batch in hp.batch_sizes)}
+    """[(tokens of a micro-step per rank, the positions of each forward it runs as)] of the run's stages, each
+    pair once (one compiled length each)."""
+    pairs = []
+    for stage, batch in enumerate(hp.batch_sizes):
+        tokens = tokens_per_rank(batch, world_size, accum)
+        longest = hp.first_stage_max_seq_len if stage == 0 and hp.first_stage_max_seq_len else hp.max_seq_len
+        pair = (tokens, padded_piece_length(tokens, hp.micro_batch_tokens, longest))
+        if pair not in pairs:
+            pairs.append(pair)
+    return pairs
 
 
 def describe_pieces(pieces):
     return ", ".join(f"{tokens:,} uncut" if length == tokens else f"{tokens:,} in pieces of {length:,} positions"
-                     for tokens, length in pieces.items())
+                     for tokens, length in pieces)
 
 
 def check_batch_splits(hp, world_size, accum):
@@ -3741,7 +3750,7 @@ def open_data(hp, rank, world_size, device, accum, log):
     if hp.micro_batch_tokens:
         log(f"micro_batch_tokens {hp.micro_batch_tokens}: micro-steps of "
             f"{describe_pieces(micro_step_pieces(hp, world_size, accum))} (documents in order, at most "
-            f"{hp.micro_batch_tokens} tokens a piece and {PIECE_CONTEXT_BEFORE + PIECE_CONTEXT_AFTER} of context, padded)")
+            f"{hp.micro_batch_tokens} tokens a piece, with the previous document and 2 targets of context, padded)")
     train_pattern, val_pattern, data_description = resolve_data(hp, rank)
     log(f"data: {data_description}")
     val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
@@ -4104,9 +4113,9 @@ def plan_batch(hp, tokens, piece=False):
     padded micro-step piece of that many positions (with its context, positions and loss mask) if `piece`."""
     window = np.full(tokens + 1, BOS_ID)
     bigram_ids = bigram_hash(window[:-1], hp.bigram_vocab_size) if hp.bigram_vocab_size else None
-    if piece:
-        tokens_inside = tokens - PIECE_CONTEXT_BEFORE - PIECE_CONTEXT_AFTER
-        return piece_inputs(window, [tokens], 1, 1 + tokens_inside, tokens, torch.device("cpu"), bigram_ids)
+    if piece:  # one position of context (its length does not change the memory), two targets after
+        return piece_inputs(window, [1, tokens], 1, tokens - PIECE_CONTEXT_AFTER, tokens, torch.device("cpu"),
+                            bigram_ids)
     return model_inputs(window, [tokens], torch.device("cpu"), bigram_ids)
 
 
@@ -4178,7 +4187,7 @@ class MemoryPlan:
         forward leaves alive, before and after the head ({"trunk": ..., "head": ...})."""
         before, marks = self.live.live, {}
         uncut = micro_step_pieces(dataclasses.replace(self.hp, micro_batch_tokens=0), self.world_size, self.accum)
-        batch = plan_batch(self.hp, tokens, piece=training and tokens not in uncut)
+        batch = plan_batch(self.hp, tokens, piece=training and tokens not in dict(uncut))
         batch = Batch(*(None if t is None else self.fake.from_tensor(t) for t in batch))
         for t in batch:  # the batch is made for the piece
             if t is not None:
@@ -4226,7 +4235,7 @@ class MemoryPlan:
     def largest_piece(self, micro_batch_tokens):
         """The positions of the longest forward (a padded piece, or an uncut micro-step) of the run at that cap."""
         hp = dataclasses.replace(self.hp, micro_batch_tokens=micro_batch_tokens)
-        return max(micro_step_pieces(hp, self.world_size, self.accum).values())
+        return max(length for _, length in micro_step_pieces(hp, self.world_size, self.accum))
 
     def largest_fitting_cap(self, budget_bytes, val_peak):
         """The largest --micro_batch_tokens (a multiple of PLAN_PIECE_STEP) whose training peak (its padded

@@ -52,8 +52,8 @@ def _real(piece):
 
 def test_pieces_are_the_micro_step_and_the_walk_ignores_the_cap(tmp_path):
     """The pieces' tokens (loss_mask) are the uncut micro-step in order (inputs, targets, rotary positions,
-    bigram ids hashed over the whole micro-step), each piece of one fixed length, whole documents only, its
-    position 0 the previous token in a document of its own, the two targets after its last token on the next
+    bigram ids hashed over the whole micro-step), each piece of one fixed length, whole documents only, led
+    by the document before it (its rotary positions too), the two targets after its last token on the next
     positions (none past the micro-step's end), the padding a document of its own; on 2 ranks; the loaders'
     positions afterwards are the same."""
     pattern, _ = write_shards(tmp_path, np.random.default_rng(7), [6000, 5000])
@@ -67,7 +67,8 @@ def test_pieces_are_the_micro_step_and_the_walk_ignores_the_cap(tmp_path):
                 assert len(pieces) == 1 and all(torch.equal(a, b) for a, b in zip(pieces[0][:4], batch[:4]))
                 assert pieces[0].positions is None and pieces[0].loss_mask is None
                 continue
-            assert {len(p.inputs) for p in pieces} == {tg.padded_piece_length(rank_tokens, cap)} == {cap + 3}
+            assert {len(p.inputs) for p in pieces} == {tg.padded_piece_length(rank_tokens, cap, max_seq_len)} == \
+                {cap + max_seq_len + 2}
             real = [_real(p) for p in pieces]
             assert all(len(r) <= cap for r in real)
             assert torch.equal(torch.cat([p.inputs[r] for p, r in zip(pieces, real)]), batch.inputs)
@@ -81,7 +82,10 @@ def test_pieces_are_the_micro_step_and_the_walk_ignores_the_cap(tmp_path):
                 assert first in uncut_starts and last + 1 in uncut_starts  # whole documents
                 assert {b - int(r[0]) + first for b in bounds if r[0] <= b <= r[-1] + 1} == \
                     {b for b in uncut_starts if first <= b <= last + 1}
-                assert r[0] == (i > 0) and (i == 0 or (bounds[1] == 1 and p.inputs[0] == batch.inputs[first - 1]))
+                context = int(r[0])  # the whole document before the piece, its own document here too
+                assert (context > 0) == (i > 0) and first - context == max([0] + [b for b in uncut_starts if b < first])
+                assert torch.equal(p.inputs[:context], batch.inputs[first - context: first]) and context in bounds
+                assert torch.equal(p.positions[:context], torch.arange(first - context, first))
                 assert int(r[-1]) + 1 in bounds  # the padding is a document of its own
                 after = p.targets[r[-1] + 1: r[-1] + 3]
                 assert torch.equal(after[after >= 0], batch.targets[last + 1: last + 3])
@@ -123,11 +127,23 @@ def _micro_step(hp, tokens, longest, seed=0):
     return window, lengths, tg.bigram_hash(window[:-1], hp.bigram_vocab_size)
 
 
-def _pieces(window, lengths, bigram_ids, cap):
+def _split_before(lengths, start):
+    """The document lengths with the token before `start` made a document of its own (a shorter context)."""
+    ends = np.cumsum(lengths)
+    i = int(np.searchsorted(ends, start - 1, side="right"))
+    head = start - 1 - (ends[i] - lengths[i])
+    return np.concatenate([lengths[:i], [head, 1, lengths[i] - head - 1], lengths[i + 1:]]).astype(int)
+
+
+def _pieces(window, lengths, bigram_ids, cap, previous_token_only=False):
+    """The micro-step's pieces (as the loader makes them); with previous_token_only, each piece's context is
+    the token before it alone (a document of its own) instead of the whole document before it."""
     tokens = len(window) - 1
     bounds, cut = tg.pack_documents(tg.cut_lengths(lengths, 0, tokens), cap)
-    length = tg.padded_piece_length(tokens, cap)
-    return [tg.piece_inputs(window, lengths, a, b, length, CPU, bigram_ids) for a, b in bounds], cut
+    length = tg.padded_piece_length(tokens, cap, max(lengths))
+    own = [_split_before(lengths, a) if previous_token_only and a else lengths for a, _ in bounds]
+    return [tg.piece_inputs(window, doc_lengths, a, b, length, CPU, bigram_ids)
+            for (a, b), doc_lengths in zip(bounds, own)], cut
 
 
 def _gradients(model, hp, pieces):
@@ -149,8 +165,11 @@ def _distance(a, b, bf16_rounded=False):
 
 def _without(piece, what):
     """A piece with one carried piece of context taken away (the positive controls)."""
+    context = int(_real(piece)[0])
     if what == "previous token":  # the smear gate and the bigram sign of its first token see another token
-        return piece._replace(inputs=torch.cat([piece.inputs[:1] * 0 + 7, piece.inputs[1:]]))
+        inputs = piece.inputs.clone()
+        inputs[max(context - 1, 0)] = 7
+        return piece._replace(inputs=inputs)
     if what == "next targets":  # its last positions lose their multi-token targets
         targets = piece.targets.clone()
         real = _real(piece)
@@ -212,8 +231,11 @@ def test_the_key_shift_is_not_carried():
     uncut = _gradients(model, hp, [tg.model_inputs(window, lengths, CPU, ids)])
     pieces, _ = _pieces(window, lengths, ids, 256)
     distance = _distance(_gradients(model, hp, pieces), uncut)
-    print(f"key shift open: relative gradient distance {distance:.2e}")
-    assert distance > 100 * 1e-6
+    token_only, _ = _pieces(window, lengths, ids, 256, previous_token_only=True)
+    token_distance = _distance(_gradients(model, hp, token_only), uncut)
+    print(f"key shift open: relative gradient distance {distance:.2e}; with the previous token alone as the context "
+          f"{token_distance:.2e}")
+    assert distance > 10 * 1e-6 and token_distance > 3 * distance
 
 
 @pytest.mark.slow
@@ -226,8 +248,8 @@ def test_warm_up_runs_every_piece_length(corpus, tmp_path, restore_threads):  # 
     forward = trainer.forward
     trainer.forward = lambda inputs, *rest: seen.add(len(inputs)) or forward(inputs, *rest)
     trainer.warm_up()
-    expected = set(tg.micro_step_pieces(trainer.hp, 1, 1).values())
-    assert expected == {203}  # 200 tokens and 3 positions of context, at every batch size
+    expected = {length for _, length in tg.micro_step_pieces(trainer.hp, 1, 1)}
+    assert expected == {650, 458}  # 200 tokens, the previous document (448 / 256 at most) and 2 targets
     assert expected <= seen
     trainer.loader.close()
 
@@ -248,7 +270,7 @@ def test_a_run_with_cuts_through_documents_stays_close_and_resumes_across_caps(c
                                     "--save_every", 4), capsys)
     assert code == 0, err
     log = (log_dir / "cut.txt").read_text()
-    assert "micro_batch_tokens 200: micro-steps of 512 in pieces of 203 positions" in log
+    assert "micro_batch_tokens 200: micro-steps of 512 in pieces of 650 positions, 512 in pieces of 458 positions" in log
     assert re.search(r"^stage 0 pieces: [\d,]+ tokens in [\d,]+ positions \(\d+\.\d% padding and context\); documents "
                      r"longer than --micro_batch_tokens 200, cut: [1-9]\d*$", log, re.M)
     differences = [abs(a - b) for (_, a), (_, b) in zip(uncut, cut)]
