@@ -129,8 +129,8 @@ class Hyperparameters:
     first_stage_max_seq_len: int = hp_field(896, "longest document piece in the first third (off: 0, --max_seq_len)")
     grad_accum_base: int = hp_field(8, "world size with one micro-step per step; fewer ranks accumulate base/world")
     micro_batch_tokens: int = hp_field(0, "most tokens per forward/backward per rank: longer micro-steps run as "
-                                          "pieces of whole documents, padded to N + 3 positions, whose gradients add "
-                                          "up (0: no cap)")
+                                          "pieces of whole documents with their context, padded to N + max_seq_len + "
+                                          "2 positions, whose gradients add up (0: no cap)")
     lr_multipliers: tuple = hp_field((1.0, 1.52, 1.73), "lr multiplier in each third")
     schedule_rule: str = hp_field("boundaries", "boundaries: thirds end at round(n k / 3), the lr multiplier "
                                                 "switches with them and cools down from int(n (1 - frac)); progress "
