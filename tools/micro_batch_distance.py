@@ -6,10 +6,10 @@
 Takes --micro_steps micro-steps of the checkpoint's batch size at its step (one process) from the training
 shards and, with the checkpoint's model in training mode on the CPU path, prints per cap the mean relative
 distance |g_pieces - g| / |g| of the gradients and the relative change of the loss, for the pieces the trainer
-runs (whole documents, each piece carrying its previous token, its next two targets and its rotary
-positions; the key shift's first key of a document is not carried), and for the same pieces with the key
-shift closed in both runs (what is left: fp32 rounding, documents longer than the cap, and the bf16 rounding
-of the gradients of the lambdas the model uses in bf16, once per piece). For scale it also prints the
+runs (whole documents, each piece carrying the document before it, its next two targets and its rotary
+positions), and for the same pieces with the key shift closed in both runs (what is left then: fp32 rounding
+and the bf16 rounding of the gradients of the lambdas the model uses in bf16, once per piece; with the key
+shift open also the previous document's own first key, which the piece does not carry). For scale it also prints the
 distance between the gradients of consecutive micro-steps (batch noise).
 """
 import argparse
@@ -38,13 +38,13 @@ def gradient(model, pieces, windows, mtp):
     return loss, torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def pieces_of(window, lengths, cap, bigram_rows):
+def pieces_of(window, lengths, cap, bigram_rows, max_seq_len):
     """The micro-step `window` (documents `lengths`) as the trainer's pieces of at most `cap` tokens, its bigram
     ids hashed over the whole micro-step (as the loader)."""
     tokens = len(window) - 1
     bigram_ids = tg.bigram_hash(window[:-1], bigram_rows) if bigram_rows else None
     bounds, _ = tg.pack_documents(tg.cut_lengths(lengths, 0, tokens), cap)
-    length = tg.padded_piece_length(tokens, cap)
+    length = tg.padded_piece_length(tokens, cap, max_seq_len)
     return [tg.piece_inputs(window, lengths, a, b, length, torch.device("cpu"), bigram_ids) for a, b in bounds]
 
 
@@ -86,7 +86,7 @@ def main(argv=None):
                 ((g - previous).norm() / g.norm()).item())
         previous = g
         for cap in args.micro_batch_tokens:
-            pieces = pieces_of(window, lengths, cap, rows_bigram)
+            pieces = pieces_of(window, lengths, cap, rows_bigram, tg.max_seq_len_at(step, hp))
             for name, closed in ((f"cap {cap}: the trainer's pieces", False), (f"cap {cap}: key shift closed", True)):
                 with key_shift_closed(model) if closed else contextlib.nullcontext():
                     base_loss, base_g = gradient(model, [batch], windows, mtp) if closed else (loss, g)
