@@ -141,7 +141,8 @@ class Hyperparameters:
     first_stage_max_seq_len: int = hp_field(896, "longest document piece in the first third (off: 0, --max_seq_len)")
     grad_accum_base: int = hp_field(8, "world size with one micro-step per step; fewer ranks accumulate base/world")
     micro_batch_tokens: int = hp_field(0, "most tokens per forward/backward per rank: longer micro-steps run as "
-                                          "ceil(tokens / N) near-equal pieces whose gradients add up (0: no cap)")
+                                          "pieces of whole documents with their context, padded to N + max_seq_len + "
+                                          "2 positions, whose gradients add up (0: no cap)")
     lr_multipliers: tuple = hp_field((1.0, 1.52, 1.73), "lr multiplier in each third")
     schedule_rule: str = hp_field("boundaries", "boundaries: thirds end at round(n k / 3), the lr multiplier "
                                                 "switches with them and cools down from int(n (1 - frac)); progress "
@@ -603,21 +604,22 @@ def bigram_hash(inputs, rows):
 
 class Batch(NamedTuple):
     inputs: Tensor  # int32
-    targets: Tensor  # int64
+    targets: Tensor  # int64 (NO_TARGET where a piece has none)
     cu_seqlens: Tensor  # int32, padded to a static length
     bigram_ids: Tensor | None  # int32 hashed bigrams (recipe 89's bigram embedding), or None
+    positions: Tensor | None = None  # a micro-step piece's rotary positions (int64, in its micro-step), or None
+    loss_mask: Tensor | None = None  # a piece's positions whose own loss terms count (bool), or None
 
 
-def to_device(inputs, targets, cu_seqlens, device, bigram_ids=None):
+def to_device(inputs, targets, cu_seqlens, device, bigram_ids=None, positions=None, loss_mask=None):
     """A Batch on `device` (pinned + non_blocking on CUDA)."""
-    arrays = [inputs.astype(np.int32), targets.astype(np.int64), cu_seqlens] + \
-        ([] if bigram_ids is None else [np.ascontiguousarray(bigram_ids)])
-    tensors = [torch.from_numpy(a) for a in arrays]
+    arrays = [inputs.astype(np.int32), targets.astype(np.int64), cu_seqlens, bigram_ids, positions, loss_mask]
+    tensors = [None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
     if device.type == "cuda":
-        tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+        tensors = [None if t is None else t.pin_memory().to(device, non_blocking=True) for t in tensors]
     else:
-        tensors = [t.to(device) for t in tensors]
-    return Batch(*tensors[:3], tensors[3] if bigram_ids is not None else None)
+        tensors = [None if t is None else t.to(device) for t in tensors]
+    return Batch(*tensors)
 
 
 def model_inputs(window, doc_lengths, device, bigram_ids=None):
@@ -629,13 +631,67 @@ def model_inputs(window, doc_lengths, device, bigram_ids=None):
     return to_device(window[:-1], window[1:], padded_cu_seqlens(doc_lengths, positions), device, bigram_ids)
 
 
-def piece_bounds(tokens, max_piece_tokens):
-    """[(start, stop)] of the ceil(tokens / max_piece_tokens) pieces a micro-step runs as: consecutive and
-    near-equal (lengths differ by at most one), so a stage compiles at most two piece lengths. The cuts sit
-    at fixed positions: with static shapes, moving one to a document start would take padding."""
-    count = -(-tokens // max_piece_tokens)
-    edges = [i * tokens // count for i in range(count + 1)]
-    return list(zip(edges[:-1], edges[1:]))
+# A micro-step piece carries the context the uncut micro-step would read outside it: before its tokens, the
+# document that precedes them, whole (up to max_seq_len tokens: for the smear gate and the bigram sign of
+# its first token its last token, for the key shift that token's key, a function of the whole document; or,
+# where a long document is cut, the document's earlier part), with no loss; after them, the targets of two
+# positions (the multi-token loss of its last positions).
+PIECE_CONTEXT_AFTER = MTP_HORIZON - 1
+NO_TARGET = -1  # a piece's target where the uncut micro-step has none (padding, past the micro-step's end)
+
+
+def pack_documents(doc_lengths, max_piece_tokens):
+    """[(start, stop)] of the pieces a micro-step of documents `doc_lengths` runs as: its documents in order,
+    as many as fit in max_piece_tokens; only a document longer than that is cut (into pieces of its own, the
+    last of which the next documents may join). Returns (bounds, number of documents cut)."""
+    bounds, start, used, cut = [], 0, 0, 0
+    for length in map(int, doc_lengths):
+        if used + length > max_piece_tokens:
+            if used:
+                bounds.append((start, start + used))
+                start, used = start + used, 0
+            cut += length > max_piece_tokens
+            while length > max_piece_tokens:
+                bounds.append((start, start + max_piece_tokens))
+                start, length = start + max_piece_tokens, length - max_piece_tokens
+        used += length
+    if used:
+        bounds.append((start, start + used))
+    return bounds, cut
+
+
+def padded_piece_length(tokens, max_piece_tokens, max_seq_len):
+    """Positions of the forward a micro-step of `tokens` (documents of at most max_seq_len) runs as: all of
+    them uncut, else the fixed length of its pieces (at most max_piece_tokens tokens and their context)."""
+    if not max_piece_tokens or tokens <= max_piece_tokens:
+        return tokens
+    return max_piece_tokens + max_seq_len + PIECE_CONTEXT_AFTER
+
+
+def piece_inputs(window, doc_lengths, start, stop, length, device, bigram_ids=None):
+    """The Batch of the micro-step piece [start, stop) of `window` (the micro-step's inputs and its last
+    target; documents `doc_lengths`; bigram ids hashed over the whole micro-step), padded to `length`
+    positions: [context][the piece's tokens][padding]. The context is the micro-step from the start of the
+    document holding the token before the piece (none for the first piece) up to the piece, with its document
+    boundaries and no loss; the two targets after the piece's last position ride on the first positions after
+    it; the padding is a document of its own with no loss; the rotary positions are the micro-step's."""
+    ends = np.cumsum(doc_lengths)
+    first = int((ends - doc_lengths)[np.searchsorted(ends, start - 1, side="right")]) if start else 0
+    before, tokens, total = start - first, stop - start, len(window) - 1
+    inputs = np.zeros(length, dtype=np.int64)  # padding: any token of every vocabulary
+    inputs[: before + tokens] = window[first: stop]
+    targets = np.full(length, NO_TARGET, dtype=np.int64)
+    after = min(PIECE_CONTEXT_AFTER, total - stop)
+    targets[before: before + tokens + after] = window[start + 1: stop + 1 + after]
+    loss_mask = np.zeros(length, dtype=bool)
+    loss_mask[before: before + tokens] = True
+    lengths = [*cut_lengths(doc_lengths, first, stop), length - before - tokens]
+    ids = None
+    if bigram_ids is not None:
+        ids = np.full(length, bigram_ids[0], dtype=np.int32)  # the reserved row, as at position 0
+        ids[: before + tokens] = bigram_ids[first:stop]
+    return to_device(inputs, targets, padded_cu_seqlens([n for n in lengths if n], length), device, ids,
+                     np.arange(first, first + length), loss_mask)
 
 
 def cut_lengths(doc_lengths, start, stop):
@@ -664,6 +720,7 @@ class TrainLoader:
         self.rank, self.world_size, self.device, self.cycle = rank, world_size, device, cycle
         self.vocab_size = vocab_size  # token ids are checked against it as each shard is read
         self.bigram_rows = bigram_rows  # rows of the model's bigram embedding (0: none)
+        self.piece_counts = np.zeros(3, dtype=np.int64)  # next_pieces': tokens, positions, documents cut
         # one background thread reads the next shard, one indexes BOS positions
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="loader")
         self.reset()
@@ -719,9 +776,10 @@ class TrainLoader:
         return self.next_pieces(rank_tokens, max_seq_len, rank_tokens)[0]
 
     def next_pieces(self, rank_tokens, max_seq_len, max_piece_tokens):
-        """This rank's next micro-step of rank_tokens tokens as the Batches of its piece_bounds pieces of at
-        most max_piece_tokens each. The walk over documents does not depend on max_piece_tokens, nor do
-        the bigram ids (hashed over the whole micro-step, as the reference does)."""
+        """This rank's next micro-step of rank_tokens tokens as one Batch, or, if longer than max_piece_tokens,
+        as the Batches of its pack_documents pieces (piece_inputs). The walk over documents does not depend on
+        max_piece_tokens, nor do the bigram ids (hashed over the whole micro-step, as the reference does).
+        Counts the pieces' tokens, positions and cut documents in self.piece_counts."""
         for _ in range(2 * len(self.files) + 1):
             plan = None
             if not self.bos.complete:
@@ -740,9 +798,12 @@ class TrainLoader:
         starts, lengths = pieces[self.rank]
         buf = gather_pieces(self.tokens, starts, lengths)
         bigram_ids = bigram_hash(buf[:-1], self.bigram_rows) if self.bigram_rows else None
-        return [model_inputs(buf[start: stop + 1], cut_lengths(lengths, start, stop), self.device,
-                             None if bigram_ids is None else bigram_ids[start:stop])
-                for start, stop in piece_bounds(rank_tokens, max_piece_tokens)]
+        if rank_tokens <= max_piece_tokens:
+            return [model_inputs(buf, lengths, self.device, bigram_ids)]
+        bounds, cut = pack_documents(cut_lengths(lengths, 0, rank_tokens), max_piece_tokens)
+        length = padded_piece_length(rank_tokens, max_piece_tokens, max_seq_len)
+        self.piece_counts += (rank_tokens, length * len(bounds), cut)
+        return [piece_inputs(buf, lengths, start, stop, length, self.device, bigram_ids) for start, stop in bounds]
 
 
 def read_validation_tokens(pattern, count, vocab_size=None):
@@ -926,9 +987,12 @@ class Rotary(nn.Module):
         self.freqs.mul_(s + interp * (1 - s))
         self.attn_scale.mul_(0.2 * math.log(new_tokens / old_tokens) + 1)
 
-    def cos_sin(self, seq_len):
-        """(seq_len, 1, head_dim/2) tables, rounded to bf16 like the reference's cached tables."""
-        theta = torch.outer(torch.arange(seq_len, device=self.freqs.device, dtype=torch.float32), self.freqs)
+    def cos_sin(self, seq_len, positions=None):
+        """(seq_len, 1, head_dim/2) tables, rounded to bf16 like the reference's cached tables; at `positions`
+        (a micro-step piece's positions in its micro-step) instead of 0 ... seq_len - 1 if given."""
+        positions = torch.arange(seq_len, device=self.freqs.device, dtype=torch.float32) if positions is None else \
+            positions.to(torch.float32)
+        theta = torch.outer(positions, self.freqs)
         return theta.cos().bfloat16()[:, None, :], theta.sin().bfloat16()[:, None, :]
 
 
@@ -1226,19 +1290,23 @@ class GPT(nn.Module):
         return {(i in self.roles.long_window, layer.paired) for i, layer in enumerate(self.layers)
                 if i != self.roles.attn_free}
 
-    def attention_context(self, docs, window_blocks, seq_len):
+    def attention_context(self, docs, window_blocks, seq_len, positions=None):
         """{(long window, paired): (mask, rotary tables)} of the attention layers: a paired layer's
         stream is twice as long (two rows per token), and head h of token t sits at rotary position
-        2t + h % 2 (the reference rotates head pairs side by side, then splits the stream by halves)."""
+        2t + h % 2 (the reference rotates head pairs side by side, then splits the stream by halves).
+        `positions`: the tokens' rotary positions t (None: 0 ... seq_len - 1)."""
         context, tables = {}, {}
         for long, paired in self.attention_kinds():
             tokens = window_blocks[1 if long else 0] * self.window_block_tokens
             if paired not in tables:
                 if paired:
                     parity = torch.arange(self.num_heads, device=docs.device) % 2
-                    tables[paired] = tuple(t.view(seq_len, 2, -1)[:, parity] for t in self.rotary.cos_sin(2 * seq_len))
+                    doubled = None if positions is None else \
+                        (2 * positions[:, None] + torch.arange(2, device=docs.device)).flatten()
+                    tables[paired] = tuple(t.view(seq_len, 2, -1)[:, parity]
+                                           for t in self.rotary.cos_sin(2 * seq_len, doubled))
                 else:
-                    tables[paired] = self.rotary.cos_sin(seq_len)
+                    tables[paired] = self.rotary.cos_sin(seq_len, positions)
             mask = self.attention.mask(docs.repeat_interleave(2) if paired else docs, tokens)
             context[long, paired] = (mask, tables[paired])
         return context
@@ -1274,13 +1342,15 @@ class GPT(nn.Module):
     def fp8_scales(self):
         return self.head_fp8_scales if self.use_fp8 else None
 
-    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None, mtp_weights=None):
+    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None, mtp_weights=None,
+                positions=None, loss_mask=None):
         """Loss of one packed sequence: window_blocks = (short, long) attention windows in blocks,
-        bigram_ids the loader's hashed bigrams, mtp_weights the step's weights of the next 3 tokens."""
+        bigram_ids the loader's hashed bigrams, mtp_weights the step's weights of the next 3 tokens;
+        positions and loss_mask those of a micro-step piece (Batch), else None."""
         T, L, H, hd = input_seq.numel(), self.num_layers, self.num_heads, self.head_dim
         roles, last = self.roles, self.num_layers - 1
         docs = document_ids(cu_seqlens, T)
-        context = self.attention_context(docs, window_blocks, T)
+        context = self.attention_context(docs, window_blocks, T, positions)
         # lambdas the reference rounds to bf16 before use
         bf16 = lambda t: None if t is None else t.bfloat16()  # noqa: E731
         resid, post, x0_lam, bigram_lam = map(bf16, (self.resid_lambdas, self.post_lambdas, self.x0_lambdas,
@@ -1355,7 +1425,7 @@ class GPT(nn.Module):
         else:
             x = x - self.scalars[2 * L + 2] * cache["backout"]
         return self.head_loss(norm(x), self.lm_head.weight, target_seq.long(), self.training, self.fp8_scales(),
-                              self.softcap, mtp_weights)
+                              self.softcap, mtp_weights, loss_mask)
 
 
 class RetieGPT(nn.Module):
@@ -1400,7 +1470,8 @@ class RetieGPT(nn.Module):
         return dict(resid=s[:n], x0=s[n: 2 * n], attn=s[2 * n: 4 * n].view(n, 2),
                     smear=s[4 * n], backout=s[4 * n + 1], skip=s[4 * n + 2])
 
-    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None, mtp_weights=None):
+    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None, mtp_weights=None,
+                positions=None, loss_mask=None):
         """Loss of one packed sequence; window_blocks = (short, long) attention windows in blocks. The
         retie recipe has no bigram embedding and no multi-token loss (both arguments must be None)."""
         assert bigram_ids is None and mtp_weights is None, "the retie recipe has no bigram embedding or multi-token loss"
@@ -1410,7 +1481,7 @@ class RetieGPT(nn.Module):
         short_blocks, long_blocks = window_blocks
         masks = {long: self.attention.mask(docs, blocks * self.window_block_tokens)
                  for long, blocks in ((True, long_blocks), (False, short_blocks))}
-        cos_sin = self.rotary.cos_sin(seq_len)
+        cos_sin = self.rotary.cos_sin(seq_len, positions)
 
         x = F.embedding(input_seq, self.lm_head.weight)
         # smear: each token's embedding takes a gated share of the previous one (across documents too)
@@ -1434,7 +1505,7 @@ class RetieGPT(nn.Module):
                 backout = x
         x = norm(x - lam["backout"] * backout)
         return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training,
-                              self.head_fp8_scales if self.use_fp8 else None, self.softcap)
+                              self.head_fp8_scales if self.use_fp8 else None, self.softcap, None, loss_mask)
 
 
 def next_token_logits(model, batch, window_blocks):
@@ -1590,24 +1661,33 @@ def softcapped(logits, softcap, training=False):
     return softcap.scale * s
 
 
-def multi_token_loss(z, targets, weights):
+def multi_token_loss(z, targets, weights, loss_mask=None):
     """sum_t sum_k w_k (logsumexp(z_t) - z_t[targets[t + k]]) over the positions with t + k inside the
     sequence: token t also predicts the tokens k = 1, 2 after its own target (across documents, as
-    record #89's loss does)."""
+    record #89's loss does). With a piece's loss_mask (Batch), only the positions it marks, and only
+    the terms whose target is a token (not NO_TARGET)."""
     lse = torch.logsumexp(z, dim=-1)
     total = z.new_zeros(())
     for k in range(weights.numel()):
-        picked = z[: z.size(0) - k].gather(1, targets[k:, None])[:, 0]
-        total = total + weights[k] * (lse[: z.size(0) - k] - picked).sum()
+        n = z.size(0) - k
+        if loss_mask is None:
+            picked = z[:n].gather(1, targets[k:, None])[:, 0]
+            total = total + weights[k] * (lse[:n] - picked).sum()
+        else:
+            picked = z[:n].gather(1, targets[k:, None].clamp_min(0))[:, 0]
+            total = total + weights[k] * ((lse[:n] - picked) * (loss_mask[:n] & (targets[k:] >= 0))).sum()
     return total
 
 
-def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap=RETIE_SOFTCAP, mtp_weights=None):
+def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap=RETIE_SOFTCAP, mtp_weights=None,
+                          loss_mask=None):
     """The head and its loss on the GPU path: summed over tokens in training (the next-token loss, or
     the multi-token loss with the step's mtp_weights; the caller divides by the accumulation steps),
     the mean next-token loss in fp32 for validation. The compiled graph fuses the softcap."""
     if training:
         z = softcapped(head_matmul(x, weight, fp8_scales), softcap, training=True)
+        if loss_mask is not None:
+            return multi_token_loss(z, targets, z.new_ones(1) if mtp_weights is None else mtp_weights, loss_mask)
         return F.cross_entropy(z, targets, reduction="sum") if mtp_weights is None else \
             multi_token_loss(z, targets, mtp_weights)
     total = sum(F.cross_entropy(softcapped(head_matmul(xc, weight, None), softcap), tc, reduction="sum")
@@ -1751,9 +1831,10 @@ class TiledWindowAttention:
 SOFTCAP_CHUNK = 512  # rows of logits alive at once in the CPU loss
 
 
-def chunked_softcap_loss(x, w, targets, with_grads, softcap=RETIE_SOFTCAP, mtp_weights=None):
+def chunked_softcap_loss(x, w, targets, with_grads, softcap=RETIE_SOFTCAP, mtp_weights=None, loss_mask=None):
     """Summed cross-entropy of the softcapped logits of x @ w.T (with mtp_weights: the multi-token
-    loss), SOFTCAP_CHUNK rows at a time; with_grads also forms d loss / d x and d loss / d w on the way.
+    loss; with loss_mask: over its terms, as multi_token_loss), SOFTCAP_CHUNK rows at a time; with_grads
+    also forms d loss / d x and d loss / d w on the way.
     On CPU, eager elementwise passes over full (tokens, vocab) logits dominate; on GPU the compiled
     graph fuses them instead."""
     scale, n = softcap.scale, x.size(0)
@@ -1766,6 +1847,8 @@ def chunked_softcap_loss(x, w, targets, with_grads, softcap=RETIE_SOFTCAP, mtp_w
         rows = torch.arange(xc.size(0), device=x.device)
         # the targets of the next len(weights) tokens that exist: row r of horizon k targets token start + r + k
         horizons = [(wk, targets[start + k: start + k + xc.size(0)]) for k, wk in enumerate(weights) if start + k < n]
+        if loss_mask is not None:  # each horizon's weight per row: 0 where the mask or the target says no
+            horizons = [(wk * (loss_mask[start: start + tk.numel()] & (tk >= 0)), tk.clamp_min(0)) for wk, tk in horizons]
         logits = (xc @ w.T).float()
         if softcap.offset:
             logits.add_(softcap.offset)
@@ -1778,11 +1861,16 @@ def chunked_softcap_loss(x, w, targets, with_grads, softcap=RETIE_SOFTCAP, mtp_w
         sum_exp = probs.sum(dim=1)
         log_sum = sum_exp.log()
         for (wk, tk), z in zip(horizons, picked):
+            if loss_mask is not None:
+                total += (wk * (log_sum[: tk.numel()] - z)).sum()
+                continue
             term = (log_sum[: tk.numel()] - z).sum()
             total += term if mtp_weights is None else wk * term
         if with_grads:
             probs.mul_(sum_exp.reciprocal_()[:, None])
-            if mtp_weights is not None:  # each row's probabilities once per horizon it predicts
+            if loss_mask is not None:
+                probs.mul_(sum(F.pad(wk, (0, xc.size(0) - wk.numel())) for wk, _ in horizons)[:, None])
+            elif mtp_weights is not None:  # each row's probabilities once per horizon it predicts
                 probs.mul_(sum(torch.where(rows < tk.numel(), wk, 0.0) for wk, tk in horizons)[:, None])
             for wk, tk in horizons:  # one target per row and horizon
                 probs[rows[: tk.numel()], tk] -= wk
@@ -1797,22 +1885,23 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
     (tokens, vocab) tensor outlives one chunk."""
 
     @staticmethod
-    def forward(ctx, x, w, targets, softcap, mtp_weights):
-        total, grad_x, grad_w = chunked_softcap_loss(x, w, targets, True, softcap, mtp_weights)
+    def forward(ctx, x, w, targets, softcap, mtp_weights, loss_mask):
+        total, grad_x, grad_w = chunked_softcap_loss(x, w, targets, True, softcap, mtp_weights, loss_mask)
         ctx.save_for_backward(grad_x, grad_w)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_total, grad_w * grad_total, None, None, None
+        return grad_x * grad_total, grad_w * grad_total, None, None, None, None
 
 
-def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap=RETIE_SOFTCAP, mtp_weights=None):
+def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap=RETIE_SOFTCAP, mtp_weights=None,
+                                  loss_mask=None):
     """softcap_cross_entropy for the CPU: same values, chunked (fp8_scales and the sigmoid's bf16
     rounding are ignored: no FP8 on CPU, and the CPU path computes in fp32)."""
     if training:
-        return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights)
+        return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights, loss_mask)
     return chunked_softcap_loss(x, weight, targets, False, softcap)[0] / x.size(0)
 
 
@@ -3271,7 +3360,7 @@ def newest_sound_checkpoint(folder, warn):
 
 
 # Settings that may differ when resuming: they do not change the training trajectory, except
-# micro_batch_tokens, which only moves the cuts of micro-steps into pieces (resuming logs the change).
+# micro_batch_tokens, which only changes the pieces micro-steps run as (resuming logs the change).
 RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force", "profile", "cpu_threads",
                      "val_loss_every", "warmup_steps", "device", "compile", "fp8", "seed", "train_files", "val_files",
                      "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size", "micro_batch_tokens",
@@ -3569,17 +3658,21 @@ def failing_together(device, during="setup"):
 
 
 def micro_step_pieces(hp, world_size, accum):
-    """{tokens of a micro-step per rank: its pieces' lengths} for each batch size of the run."""
-    pieces = {}
-    for batch in hp.batch_sizes:
+    """[(tokens of a micro-step per rank, the positions of each forward it runs as)] of the run's stages, each
+    pair once (one compiled length each)."""
+    pairs = []
+    for stage, batch in enumerate(hp.batch_sizes):
         tokens = tokens_per_rank(batch, world_size, accum)
-        pieces[tokens] = [stop - start for start, stop in piece_bounds(tokens, hp.micro_batch_tokens or tokens)]
-    return pieces
+        longest = hp.first_stage_max_seq_len if stage == 0 and hp.first_stage_max_seq_len else hp.max_seq_len
+        pair = (tokens, padded_piece_length(tokens, hp.micro_batch_tokens, longest))
+        if pair not in pairs:
+            pairs.append(pair)
+    return pairs
 
 
 def describe_pieces(pieces):
-    return ", ".join(f"{tokens:,} as {len(lengths)} x {'/'.join(f'{n:,}' for n in sorted(set(lengths), reverse=True))}"
-                     for tokens, lengths in pieces.items())
+    return ", ".join(f"{tokens:,} uncut" if length == tokens else f"{tokens:,} in pieces of {length:,} positions"
+                     for tokens, length in pieces)
 
 
 def check_batch_splits(hp, world_size, accum):
@@ -3794,7 +3887,8 @@ def open_data(hp, rank, world_size, device, accum, log):
     """(training loader, validation tokens, validation files), every shard checked before any work."""
     if hp.micro_batch_tokens:
         log(f"micro_batch_tokens {hp.micro_batch_tokens}: micro-steps of "
-            f"{describe_pieces(micro_step_pieces(hp, world_size, accum))} tokens")
+            f"{describe_pieces(micro_step_pieces(hp, world_size, accum))} (documents in order, at most "
+            f"{hp.micro_batch_tokens} tokens a piece, with the previous document and 2 targets of context, padded)")
     train_pattern, val_pattern, data_description = resolve_data(hp, rank)
     log(f"data: {data_description}")
     val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
@@ -3923,7 +4017,7 @@ class Trainer:
             for batch in self.loader.next_pieces(rank_tokens, max_seq_len_at(step, self.hp),
                                                  self.hp.micro_batch_tokens or rank_tokens):
                 loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, self.windows[windows],
-                                    batch.bigram_ids, mtp) / self.accum
+                                    batch.bigram_ids, mtp, batch.positions, batch.loss_mask) / self.accum
                 loss.backward()
                 total += loss.detach()
         if self.stop.received:
@@ -4019,6 +4113,15 @@ class Trainer:
         val = f" val_loss:{val_loss:.4f}" if val_loss is not None else ""
         self.log(f"step:{step}/{self.total_steps}{val} train_time:{ms:.0f}ms step_avg:{ms / max(step, 1):.2f}ms")
 
+    def log_pieces(self, stage):
+        """The padding of the pieces a stage's micro-steps ran as, and the documents cut (longer than a piece)."""
+        tokens, positions, cut = map(int, self.loader.piece_counts)
+        if positions:
+            self.log(f"stage {stage} pieces: {tokens:,} tokens in {positions:,} positions ({1 - tokens / positions:.1%} "
+                     f"padding and context); documents longer than --micro_batch_tokens {self.hp.micro_batch_tokens}, "
+                     f"cut: {cut}")
+        self.loader.piece_counts[:] = 0
+
     def stop_with_checkpoint(self):
         """End the run at a stop signal's request, at the step every rank decided on: checkpoint, raise."""
         path = self.checkpoint(f"step_{self.step:06d}", required=True)
@@ -4035,6 +4138,7 @@ class Trainer:
         self.stop.note_from_now_on()
         loss_check = LateLossCheck(self.device)
         val_losses, stopping = [], False
+        self.loader.piece_counts[:] = 0  # the warm-up's pieces are not the run's
         self.clock.start()
         for step in range(self.step, self.total_steps + 1):
             last = step == self.total_steps
@@ -4049,6 +4153,8 @@ class Trainer:
             stopping |= loss_check.push(step, self.train_step(step, batch_size, windows), self.reduction)
             self.step = step + 1
             self.log_step(self.step)
+            if self.step == self.total_steps or stage_at(self.step, hp) != stage_at(step, hp):
+                self.log_pieces(stage_at(step, hp))
             if stopping and checkpoint_complete_after(self.step):
                 loss_check.finish()
                 with self.clock.paused():
@@ -4143,10 +4249,14 @@ class PlannedAttention:
         return FusedAttentionFootprint.apply(q, k, v)
 
 
-def plan_batch(hp, tokens):
-    """A Batch of one document of `tokens` positions, with bigram ids if the model has a bigram embedding."""
+def plan_batch(hp, tokens, piece=False):
+    """A Batch of one document of `tokens` positions, with bigram ids if the model has a bigram embedding; as a
+    padded micro-step piece of that many positions (with its context, positions and loss mask) if `piece`."""
     window = np.full(tokens + 1, BOS_ID)
     bigram_ids = bigram_hash(window[:-1], hp.bigram_vocab_size) if hp.bigram_vocab_size else None
+    if piece:  # one position of context (its length does not change the memory), two targets after
+        return piece_inputs(window, [1, tokens], 1, tokens - PIECE_CONTEXT_AFTER, tokens, torch.device("cpu"),
+                            bigram_ids)
     return model_inputs(window, [tokens], torch.device("cpu"), bigram_ids)
 
 
@@ -4217,7 +4327,8 @@ class MemoryPlan:
         """One forward of `tokens` positions (and its backward in training) under the tracker: the bytes the
         forward leaves alive, before and after the head ({"trunk": ..., "head": ...})."""
         before, marks = self.live.live, {}
-        batch = plan_batch(self.hp, tokens)
+        uncut = micro_step_pieces(dataclasses.replace(self.hp, micro_batch_tokens=0), self.world_size, self.accum)
+        batch = plan_batch(self.hp, tokens, piece=training and tokens not in dict(uncut))
         batch = Batch(*(None if t is None else self.fake.from_tensor(t) for t in batch))
         for t in batch:  # the batch is made for the piece
             if t is not None:
@@ -4233,7 +4344,8 @@ class MemoryPlan:
         try:
             with torch.set_grad_enabled(training):
                 mtp = None if self.mtp_weights is None or not training else self.fake.from_tensor(self.mtp_weights)
-                loss = self.model(batch.inputs, batch.targets, batch.cu_seqlens, self.windows, batch.bigram_ids, mtp)
+                loss = self.model(batch.inputs, batch.targets, batch.cu_seqlens, self.windows, batch.bigram_ids, mtp,
+                                  batch.positions, batch.loss_mask)
             kept = {"trunk": marks["head"] - before, "head": self.live.live - marks["head"]}
             if training:
                 loss.backward()
@@ -4262,23 +4374,24 @@ class MemoryPlan:
         return tokens, self.live.peak - matrix_grads
 
     def largest_piece(self, micro_batch_tokens):
+        """The positions of the longest forward (a padded piece, or an uncut micro-step) of the run at that cap."""
         hp = dataclasses.replace(self.hp, micro_batch_tokens=micro_batch_tokens)
-        return max(max(lengths) for lengths in micro_step_pieces(hp, self.world_size, self.accum).values())
+        return max(length for _, length in micro_step_pieces(hp, self.world_size, self.accum))
 
     def largest_fitting_cap(self, budget_bytes, val_peak):
-        """The largest --micro_batch_tokens (written as its largest piece, which gives the same pieces) whose
-        training peak and val_peak stay within budget_bytes; 0 if the run fits uncut, None if none fits."""
+        """The largest --micro_batch_tokens (a multiple of PLAN_PIECE_STEP) whose training peak (its padded
+        pieces) and val_peak stay within budget_bytes; 0 if the run fits uncut, None if none fits."""
         longest = self.largest_piece(0)
-        if val_peak > budget_bytes or self.piece_figures(PLAN_PIECE_STEP)["peak"] > budget_bytes:
+        if val_peak > budget_bytes or self.piece_figures(self.largest_piece(PLAN_PIECE_STEP))["peak"] > budget_bytes:
             return None
         if self.piece_figures(longest)["peak"] <= budget_bytes:
             return 0
-        low, high = 1, longest // PLAN_PIECE_STEP  # multiples of PLAN_PIECE_STEP: low fits, high does not
+        low, high = 1, -(-longest // PLAN_PIECE_STEP)  # multiples of PLAN_PIECE_STEP: low fits, high does not
         while high - low > 1:
             middle = (low + high) // 2
             fits = self.piece_figures(self.largest_piece(middle * PLAN_PIECE_STEP))["peak"] <= budget_bytes
             low, high = (middle, high) if fits else (low, middle)
-        return self.largest_piece(low * PLAN_PIECE_STEP)
+        return low * PLAN_PIECE_STEP
 
 
 def plan_report(hp, world_size):
@@ -4307,7 +4420,8 @@ def plan_report(hp, world_size):
             fit += "any: the run fits uncut (0)"
         else:
             cut = micro_step_pieces(dataclasses.replace(hp, micro_batch_tokens=cap), world_size, plan.accum)
-            fit += f"{cap} (training peak {plan.piece_figures(cap)['peak'] / GiB:.2f} GiB; micro-steps of {describe_pieces(cut)} tokens)"
+            cap_peak = plan.piece_figures(plan.largest_piece(cap))["peak"]
+            fit += f"{cap} (training peak {cap_peak / GiB:.2f} GiB; micro-steps of {describe_pieces(cut)})"
         lines.append(fit)
     lines.append(f"predicted peak per process: {peak / GiB:.2f} GiB")
     return lines

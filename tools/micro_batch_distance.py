@@ -5,12 +5,15 @@
 
 Takes --micro_steps micro-steps of the checkpoint's batch size at its step (one process) from the training
 shards and, with the checkpoint's model in training mode on the CPU path, prints per cap the mean relative
-distance |g_pieces - g| / |g| of the gradients and the relative change of the loss: for the trainer's cuts
-(fixed positions, mostly through documents) and for the same number of cuts moved to the nearest document
-start (what remains there: the smear gate, the key shift and the rotary tables across the cut). For scale it
-also prints the distance between the gradients of consecutive micro-steps (batch noise).
+distance |g_pieces - g| / |g| of the gradients and the relative change of the loss, for the pieces the trainer
+runs (whole documents, each piece carrying the document before it, its next two targets and its rotary
+positions), and for the same pieces with the key shift closed in both runs (what is left then: fp32 rounding
+and the bf16 rounding of the gradients of the lambdas the model uses in bf16, once per piece; with the key
+shift open also the previous document's own first key, which the piece does not carry). For scale it also prints the
+distance between the gradients of consecutive micro-steps (batch noise).
 """
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -28,24 +31,33 @@ def gradient(model, pieces, windows, mtp):
     model.zero_grad()
     loss = 0.0
     for piece in pieces:
-        piece_loss = model(piece.inputs, piece.targets, piece.cu_seqlens, windows, piece.bigram_ids, mtp)
+        piece_loss = model(piece.inputs, piece.targets, piece.cu_seqlens, windows, piece.bigram_ids, mtp,
+                           piece.positions, piece.loss_mask)
         piece_loss.backward()
         loss += piece_loss.item()
     return loss, torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def pieces_at(window, lengths, cuts, bigram_rows):
-    """The micro-step `window` cut at `cuts`, its bigram ids hashed over the whole micro-step (as the loader)."""
-    edges = [0, *cuts, len(window) - 1]
+def pieces_of(window, lengths, cap, bigram_rows, max_seq_len):
+    """The micro-step `window` (documents `lengths`) as the trainer's pieces of at most `cap` tokens, its bigram
+    ids hashed over the whole micro-step (as the loader)."""
+    tokens = len(window) - 1
     bigram_ids = tg.bigram_hash(window[:-1], bigram_rows) if bigram_rows else None
-    return [tg.model_inputs(window[a: b + 1], tg.cut_lengths(lengths, a, b), torch.device("cpu"),
-                            None if bigram_ids is None else bigram_ids[a:b])
-            for a, b in zip(edges[:-1], edges[1:])]
+    bounds, _ = tg.pack_documents(tg.cut_lengths(lengths, 0, tokens), cap)
+    length = tg.padded_piece_length(tokens, cap, max_seq_len)
+    return [tg.piece_inputs(window, lengths, a, b, length, torch.device("cpu"), bigram_ids) for a, b in bounds]
 
 
-def nearest_document_starts(lengths, cuts):
-    starts = np.cumsum(lengths)[:-1]
-    return sorted({int(starts[np.argmin(np.abs(starts - c))]) for c in cuts})
+@contextlib.contextmanager
+def key_shift_closed(model):
+    shifting = [layer for layer in getattr(model, "layers", []) if layer.key_shift]
+    for layer in shifting:
+        layer.key_shift = False
+    try:
+        yield
+    finally:
+        for layer in shifting:
+            layer.key_shift = True
 
 
 def main(argv=None):
@@ -74,12 +86,13 @@ def main(argv=None):
                 ((g - previous).norm() / g.norm()).item())
         previous = g
         for cap in args.micro_batch_tokens:
-            fixed = [a for a, _ in tg.piece_bounds(tokens, cap)][1:]
-            for name, cuts in ((f"cap {cap}: the trainer's cuts", fixed),
-                               (f"cap {cap}: cuts moved to document starts", nearest_document_starts(lengths, fixed))):
-                cut_loss, cut_g = gradient(model, pieces_at(window, lengths, cuts, rows_bigram), windows, mtp)
-                rows.setdefault(name, []).append(((cut_g - g).norm() / g.norm()).item())
-                rows.setdefault(name + " (loss)", []).append(abs(cut_loss - loss) / loss)
+            pieces = pieces_of(window, lengths, cap, rows_bigram, tg.max_seq_len_at(step, hp))
+            for name, closed in ((f"cap {cap}: the trainer's pieces", False), (f"cap {cap}: key shift closed", True)):
+                with key_shift_closed(model) if closed else contextlib.nullcontext():
+                    base_loss, base_g = gradient(model, [batch], windows, mtp) if closed else (loss, g)
+                    cut_loss, cut_g = gradient(model, pieces, windows, mtp)
+                rows.setdefault(name, []).append(((cut_g - base_g).norm() / base_g.norm()).item())
+                rows.setdefault(name + " (loss)", []).append(abs(cut_loss - base_loss) / base_loss)
     loader.close()
     print(f"checkpoint step {snap['step']}, micro-steps of {tokens} tokens, {args.micro_steps} of them, windows {windows}")
     for name, values in rows.items():
