@@ -1607,7 +1607,8 @@ class FP8ReluSquareMLP(torch.autograd.Function):
     """relu(x W1^T)^2 W2 with both products in FP8 as record #89 computes them: x scaled by 448/amax(x)
     into e4m3 against W1 quantized per layer; the squared activation scaled by the activation scale
     (1.8 x the previous forward's amax / 448), clamped at 448, into e4m3 against W2 quantized with its
-    delayed scale. The backward runs in the weights' dtype from the saved pre- and post-activations.
+    delayed scale. The backward runs in bf16 from the saved pre- and post-activations, the weight
+    gradients as bf16 GEMMs (fp32 accumulation) returned in fp32, as the reference computes them.
     Also returns amax(post), the next forward's activation amax."""
 
     @staticmethod
@@ -1630,7 +1631,7 @@ class FP8ReluSquareMLP(torch.autograd.Function):
         x, w1, w2, pre, post = ctx.saved_tensors
         grad_out = grad_out.to(x.dtype)
         grad_pre = 2 * (grad_out @ w2.T.type_as(x)) * F.relu(pre)
-        return (grad_pre @ w1.type_as(x), grad_pre.T.float() @ x.float(), post.T.float() @ grad_out.float(),
+        return (grad_pre @ w1.type_as(x), (grad_pre.T @ x).float(), (post.T @ grad_out).float(),
                 None, None, None, None, None)
 
 

@@ -49,6 +49,10 @@ MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
 # ops that write memory at data-dependent places or sort: their outputs are real buffers under any fusion
 UNFUSABLE = {"scatter", "scatter_add", "scatter_add_", "scatter_", "scatter_reduce", "index_put", "index_put_",
              "index_add", "index_add_", "embedding_dense_backward", "sort", "argsort", "topk", "_unsafe_index_put"}
+# ops that only take their input's shape and dtype: they read nothing (the empty ones write nothing either)
+SHAPE_ONLY = {"new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided", "zeros_like", "ones_like",
+              "full_like", "empty_like", "zero_", "fill_"}
+ALLOCATION_ONLY = {"new_empty", "new_empty_strided", "empty_like", "empty", "empty_strided"}
 METADATA = {"size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "dim", "is_contiguous",
             "storage_offset", "sym_storage_offset", "is_strides_like_format", "is_non_overlapping_and_dense",
             "_local_scalar_dense", "detach", "alias", "lift_fresh"}
@@ -137,8 +141,9 @@ class Op:
     phase: str
     flops: int
     reads: list  # [(storage serial, bytes)]
-    writes: list  # [(storage serial, bytes, fresh)]
+    writes: list  # [(storage serial, bytes written, fresh storage?, storage bytes)]
     sent: float = 0.0  # bytes this rank sends (collectives)
+    shape: str = ""  # dtype and shape of its largest output, to tell ops of one name apart
 
 
 def _view_bytes(t):
@@ -185,12 +190,12 @@ class Ledger(LiveMemory):
         tensors_in = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         tensors_out = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         in_storages = {id(t.untyped_storage()) for t in tensors_in}
-        returns = func._schema.returns
-        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
-            return out  # a view: no data moves
+        writes_input = any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
+        if not writes_input and tensors_out and all(id(t.untyped_storage()) in in_storages for t in tensors_out):
+            return out  # a view (or a `to` that returned its input): no data moves
         kind = self._kind(func, name, tensors_in)
         reads, seen = [], set()
-        for t in tensors_in:
+        for t in [] if name in SHAPE_ONLY else tensors_in:
             s = self.serial(t.untyped_storage())
             if s not in seen:
                 seen.add(s)
@@ -199,7 +204,8 @@ class Ledger(LiveMemory):
         for t in tensors_out:
             fresh = id(t.untyped_storage()) not in in_storages
             s = self.serial(t.untyped_storage())
-            writes.append((s, t.untyped_storage().nbytes() if fresh else _view_bytes(t), fresh))
+            size = 0 if name in ALLOCATION_ONLY else t.untyped_storage().nbytes() if fresh else _view_bytes(t)
+            writes.append((s, size, fresh, t.untyped_storage().nbytes()))
             if fresh:
                 self.produced[s] = len(self.ops)
         for s, _ in reads:
@@ -207,7 +213,9 @@ class Ledger(LiveMemory):
         flops = 0
         if func._overloadpacket in self.flop_registry:
             flops = self.flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
-        op = Op(name, kind, self.phase, int(flops), reads, writes)
+        largest = max(tensors_out, key=lambda t: t.numel(), default=None)
+        shape = "" if largest is None else f"{str(largest.dtype).replace('torch.', '')}{list(largest.shape)}"
+        op = Op(name, kind, self.phase, int(flops), reads, writes, shape=shape)
         if kind == "collectives":
             op.sent = self._sent_bytes(name, tensors_in)
         self.ops.append(op)
@@ -252,13 +260,13 @@ class Ledger(LiveMemory):
     def op_bytes(self, op):
         """(bytes read, bytes written) of one op under ideal fusion."""
         read = sum(b for s, b in op.reads if not self.fused_away(s))
-        written = sum(b for s, b, _ in op.writes if not self.fused_away(s))
+        written = sum(b for s, b, *_ in op.writes if not self.fused_away(s))
         return read, written
 
     def kept_bytes(self, phase):
         """Bytes (in the allocator's blocks) of the storages `phase` made that outlive it: what a forward
         saves for the backward, as the memory plan counts it."""
-        sizes = {s: b for op in self.ops if op.phase == phase for s, b, fresh in op.writes if fresh}
+        sizes = {s: size for op in self.ops if op.phase == phase for s, _, fresh, size in op.writes if fresh}
         blocks = self.block_bytes
         return sum(-(-b // blocks) * blocks for s, b in sizes.items() if self.died_in.get(s) != phase)
 
@@ -322,6 +330,8 @@ class StageCost:
     memory: float
     comm: float
     optimizer_compute: float
+    top: collections.Counter  # (phase, class, op, output) -> seconds per step
+    ops: list = dataclasses.field(repr=False)  # [(Op, times per step)]
 
     @property
     def exposed_comm(self):
@@ -335,8 +345,9 @@ class StageCost:
 def cost_of(ledger, ops, peaks, weight=1.0, into=None):
     """Accumulate ops' FLOPs, bytes and roofline seconds (times `weight`) into a dict of totals."""
     totals = into or dict(flops=collections.Counter(), bytes=collections.Counter(), seconds=collections.Counter(),
-                          compute=0.0, memory=0.0, comm=0.0, optimizer_compute=0.0)
+                          compute=0.0, memory=0.0, comm=0.0, optimizer_compute=0.0, top=collections.Counter(), ops=[])
     for op in ops:
+        totals["ops"].append((op, weight))
         read, written = ledger.op_bytes(op)
         totals["flops"][op.kind] += weight * op.flops
         totals["bytes"][op.kind] += weight * (read + written)
@@ -351,11 +362,12 @@ def cost_of(ledger, ops, peaks, weight=1.0, into=None):
             if op.phase == "optimizer":
                 totals["optimizer_compute"] += weight * seconds
         totals["seconds"][op.kind] += weight * seconds
+        totals["top"][op.phase, op.kind, op.name, op.shape] += weight * seconds
     return totals
 
 
-def stage_costs(hp, world_size, peaks):
-    """StageCost of every stage with steps (0-2, 3: the extension)."""
+def stage_costs(hp, world_size, peaks, stages=range(4)):
+    """StageCost of each of `stages` (0-2, 3: the extension) that has steps, and the Ledger."""
     fake, ledger = FakeTensorMode(), Ledger(world_size)
     costs = []
     with fake_world(world_size), fake:
@@ -363,7 +375,7 @@ def stage_costs(hp, world_size, peaks):
         untie_at = tg.untie_step(hp)
         trace_piece(hp, model, fake, ledger, tg.PLAN_PIECE_STEP, 1)  # state made by an untraced first step
         trace_optimizer_step(model, optimizers, 1, None, ledger, traced=False)
-        for stage in range(4):
+        for stage in stages:
             first, following = tg.stage_span(stage, hp)
             if following <= first:
                 continue
@@ -385,7 +397,7 @@ def stage_costs(hp, world_size, peaks):
     return costs, ledger
 
 
-def report(hp, world_size, gpu):
+def report(hp, world_size, gpu, top=12):
     peaks = GPU_PEAKS[gpu]
     costs, _ = stage_costs(hp, world_size, peaks)
     lines = [f"step-cost ledger: rank 0 of {world_size}, GPU path (FP8 head and MLP, fused attention), "
@@ -402,6 +414,10 @@ def report(hp, world_size, gpu):
             lines.append(f"  {k:<22}{c.flops[k] / 1e9:12,.1f}{c.bytes[k] / 1e9:10,.2f}{c.seconds[k] * 1e3:9.2f}")
         share = c.flops["matmul fp32"] / matmul if matmul else 0.0
         lines.append(f"  fp32 matmul share of matmul FLOPs: {share:.1%}")
+        if top and c.stage == 2:
+            lines.append(f"  the {top} largest items (summed over ops of one kind and output shape):")
+            for (phase, kind, name, shape), seconds in c.top.most_common(top):
+                lines.append(f"    {seconds * 1e3:7.2f} ms  {phase:<9} {kind:<20} {name} -> {shape}")
     total = 0.0
     for c in costs:
         ms = c.step_seconds * 1e3
@@ -420,6 +436,7 @@ def parse(argv):
                                      epilog="Other flags are train_gpt.py's (the run whose step is traced).")
     parser.add_argument("--world_size", type=int, default=8, help="processes of the run (default 8)")
     parser.add_argument("--gpu", choices=sorted(GPU_PEAKS), default="h100", help="whose peaks (default h100)")
+    parser.add_argument("--top", type=int, default=12, help="list this many of stage 3's largest items (default 12)")
     args, rest = parser.parse_known_args(argv)
     if args.world_size < 1:
         parser.error(f"--world_size must be at least 1, got {args.world_size}")
@@ -433,7 +450,7 @@ def parse(argv):
 
 def main(argv=None):
     args, hp = parse(sys.argv[1:] if argv is None else argv)
-    for line in report(hp, args.world_size, args.gpu):
+    for line in report(hp, args.world_size, args.gpu, args.top):
         print(line, flush=True)
 
 
