@@ -1590,10 +1590,98 @@ def multi_token_loss(z, targets, weights):
     return total
 
 
+FUSED_LOSS_ROWS = 4096  # rows of logits the fused FP8 loss holds in fp32 at once
+
+
+def horizon_rows(n_horizons, start, stop, n):
+    """[(k, rows)]: of the rows [start, stop), the first `rows` have their horizon-k target t + k inside
+    the n positions (horizons without such rows left out)."""
+    return [(k, min(stop, n - k) - start) for k in range(n_horizons) if min(stop, n - k) > start]
+
+
+def softcap_loss_sums(logits, targets, n_horizons, softcap, start, stop):
+    """Each horizon's summed loss over the rows [start, stop) of the logits (softcapped as in training)."""
+    z = softcapped(logits[start:stop], softcap, training=True)
+    lse = torch.logsumexp(z, dim=-1)
+    return {k: (lse[:rows] - z[:rows].gather(1, targets[start + k: start + k + rows, None])[:, 0]).sum()
+            for k, rows in horizon_rows(n_horizons, start, stop, logits.size(0))}
+
+
+def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total):
+    """d loss / d logits of the rows [start, stop) in the logits' dtype, computed as autograd computes it
+    through softcapped and the loss: dz = p sum_k w_k - sum_k w_k onehot(t + k), then the softcap's scale
+    (and the bf16 cast of a rounded sigmoid), the sigmoid's slope s (1 - s) (s unrounded), 1 / SOFTCAP_WIDTH."""
+    z = logits[start:stop].float()
+    if softcap.offset:
+        z = z + softcap.offset
+    s = torch.sigmoid(z / SOFTCAP_WIDTH)
+    capped = softcap.scale * (s.bfloat16().float() if softcap.round_sigmoid else s)
+    probs = torch.softmax(capped, dim=-1)
+    horizons = horizon_rows(weights.numel(), start, stop, logits.size(0))
+    row = torch.arange(stop - start, device=logits.device)
+    count = sum(torch.where(row < rows, weights[k], 0.0) for k, rows in horizons)
+    dz = probs * count[:, None]
+    for k, rows in horizons:
+        dz[:rows].scatter_add_(1, targets[start + k: start + k + rows, None], (-weights[k]).expand(rows, 1))
+    grad = (dz * grad_total) * softcap.scale
+    if softcap.round_sigmoid:  # the gradient passes the sigmoid's bf16 rounding as a bf16 cast
+        grad = grad.bfloat16().float()
+    return (grad * (1 - s) * s / SOFTCAP_WIDTH).to(logits.dtype)
+
+
+class FP8SoftcapLoss(torch.autograd.Function):
+    """The FP8 head and its softcapped (multi-token) loss in one op, summed over tokens: the forward keeps
+    only the bf16 logits (the loss runs over FUSED_LOSS_ROWS rows at a time); the backward writes the
+    logits' gradient once, as the e5m2 tensor the FP8 backward multiplies (column-major, as grad_w's
+    _scaled_mm takes it), computing it and grad_x one row block at a time. Same loss and gradients as
+    autograd through head_matmul, softcapped and multi_token_loss, to fp32 rounding."""
+
+    @staticmethod
+    def forward(ctx, x, w, targets, weights, fp8_scales, softcap):
+        logits, x_f8, w_f8 = mm_fp8(x, w, *fp8_scales)
+        sums = {}
+        for start in range(0, logits.size(0), FUSED_LOSS_ROWS):
+            chunk = softcap_loss_sums(logits, targets, weights.numel(), softcap, start, start + FUSED_LOSS_ROWS)
+            for k, value in chunk.items():
+                sums[k] = sums[k] + value if k in sums else value
+        total = logits.new_zeros((), dtype=torch.float32)
+        for k, value in sums.items():
+            total = total + weights[k] * value
+        ctx.save_for_backward(logits, x_f8, w_f8, targets, weights)
+        ctx.scales, ctx.softcap, ctx.w_dtype = fp8_scales, softcap, w.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        logits, x_f8, w_f8, targets, weights = ctx.saved_tensors
+        x_s, w_s, grad_s = ctx.scales
+        n, vocab = logits.shape
+        grad_t = logits.new_empty((vocab, n), dtype=torch.float8_e5m2)  # the logits' gradient, transposed
+        grad_x = logits.new_empty((n, x_f8.size(1)))
+        w_col = w_f8.T.contiguous().T  # _scaled_mm wants its second operand column-major
+        scale = functools.partial(logits.new_tensor, dtype=torch.float32)
+        for start in range(0, n, FUSED_LOSS_ROWS):
+            stop = min(n, start + FUSED_LOSS_ROWS)
+            g = softcap_loss_grad(logits, targets, weights, ctx.softcap, start, stop, grad_total)
+            g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+            grad_x[start:stop] = torch._scaled_mm(g_f8, w_col, out_dtype=torch.bfloat16, scale_a=scale(grad_s),
+                                                  scale_b=scale(w_s), use_fast_accum=False)
+            grad_t[:, start:stop] = g_f8.T
+        # computed as (x_f8.T @ g_f8).T: for the head's (50304, 768) weight that orientation is the faster one
+        grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_t.T, out_dtype=torch.float32, scale_a=scale(x_s),
+                                  scale_b=scale(grad_s), use_fast_accum=False).T
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None
+
+
 def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap=RETIE_SOFTCAP, mtp_weights=None):
     """The head and its loss on the GPU path: summed over tokens in training (the next-token loss, or
     the multi-token loss with the step's mtp_weights; the caller divides by the accumulation steps),
-    the mean next-token loss in fp32 for validation. The compiled graph fuses the softcap."""
+    the mean next-token loss in fp32 for validation. In FP8, head and loss are one op (FP8SoftcapLoss);
+    otherwise the compiled graph fuses the softcap."""
+    if training and fp8_scales is not None:
+        weights = x.new_ones(1, dtype=torch.float32) if mtp_weights is None else mtp_weights
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        return FP8SoftcapLoss.apply(flat, weight, targets.reshape(-1), weights, fp8_scales, softcap)
     if training:
         z = softcapped(head_matmul(x, weight, fp8_scales), softcap, training=True)
         return F.cross_entropy(z, targets, reduction="sum") if mtp_weights is None else \
