@@ -1621,8 +1621,10 @@ def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total
     row = torch.arange(stop - start, device=logits.device)
     count = sum(torch.where(row < rows, weights[k], 0.0) for k, rows in horizons)
     dz = probs * count[:, None]
-    for k, rows in horizons:
-        dz[:rows].scatter_add_(1, targets[start + k: start + k + rows, None], (-weights[k]).expand(rows, 1))
+    column = torch.arange(logits.size(1), device=logits.device)
+    for k, rows in horizons:  # the one-hot targets as a comparison, so that the whole chain fuses pointwise
+        target = F.pad(targets[start + k: start + k + rows], (0, stop - start - rows), value=-1)
+        dz = dz - torch.where(column == target[:, None], weights[k], 0.0)
     grad = (dz * grad_total) * softcap.scale
     if softcap.round_sigmoid:  # the gradient passes the sigmoid's bf16 rounding as a bf16 cast
         grad = grad.bfloat16().float()

@@ -45,6 +45,7 @@ GPU_PEAKS = {
 REFERENCE_MS_PER_STAGE = (31.4, 56.8, 82.7)
 CLASSES = ("matmul fp8", "matmul bf16", "matmul tf32", "matmul fp32", "attention", "pointwise/reduction", "collectives")
 PHASES = ("forward", "backward", "optimizer")
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")  # their ops return the buffers they fill
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
 # ops that write memory at data-dependent places or sort: their outputs are real buffers under any fusion
 UNFUSABLE = {"scatter", "scatter_add", "scatter_add_", "scatter_", "scatter_reduce", "index_put", "index_put_",
@@ -191,7 +192,7 @@ class Ledger(LiveMemory):
         tensors_out = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         in_storages = {id(t.untyped_storage()) for t in tensors_in}
         writes_input = any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
-        if not writes_input and tensors_out and all(id(t.untyped_storage()) in in_storages for t in tensors_out):
+        if not writes_input and func.namespace not in COLLECTIVE_NAMESPACES and tensors_out and all(id(t.untyped_storage()) in in_storages for t in tensors_out):
             return out  # a view (or a `to` that returned its input): no data moves
         kind = self._kind(func, name, tensors_in)
         reads, seen = [], set()
@@ -223,7 +224,7 @@ class Ledger(LiveMemory):
 
     @staticmethod
     def _kind(func, name, tensors):
-        if func.namespace in ("c10d", "_c10d_functional"):
+        if func.namespace in COLLECTIVE_NAMESPACES:
             return "collectives"
         if func.namespace == "step_cost":
             return "attention"
