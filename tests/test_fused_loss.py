@@ -35,7 +35,8 @@ def test_fused_loss_matches_autograd(monkeypatch, mtp, softcap):
     logits = tg.head_matmul(xa, wa, scales)
     logits.retain_grad()
     z = tg.softcapped(logits, softcap, training=True)
-    expected = F.cross_entropy(z, targets, reduction="sum") if weights is None else tg.multi_token_loss(z, targets, weights)
+    expected = F.cross_entropy(z, targets, reduction="sum") if weights is None else \
+        tg.multi_token_loss(z, targets, weights)
     expected.backward(torch.tensor(0.25))
     xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
     loss = tg.softcap_cross_entropy(xf, wf, targets, True, scales, softcap, weights)

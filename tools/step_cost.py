@@ -4,8 +4,8 @@
 
 For each stage of the run it traces one training step of rank 0 of N ranks (the forward and backward of
 every micro-step piece, then the optimizer step) on fake tensors, the way train_gpt.py's memory plan does:
-shapes and dtypes only, no GPU and no data. Every op of the GPU path is counted: the FP8 head (its custom
-op's eager body, casts and transposes included), the FP8 MLP, a fused-attention stand-in with
+shapes and dtypes only, no GPU and no data. Every op of the GPU path is counted: the FP8 head and its loss
+(the FP8 custom op's eager body, casts and transposes included), the FP8 MLP, a fused-attention stand-in with
 FlexAttention's block mask and footprint, the optimizers with their collectives (a fake process group).
 
 FLOPs come from torch.utils.flop_counter (FlopCounterMode's formulas, one for the attention stand-in per
@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt as tg  # noqa: E402
 from train_gpt import LiveMemory, fake_world, plan_batch, planned_model  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count  # noqa: E402
+from torch.utils.flop_counter import (FlopCounterMode, register_flop_formula, sdpa_backward_flop_count,  # noqa: E402
+                                      sdpa_flop_count)
 
 # Peak rates, dense (no sparsity); sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5 column) and NVIDIA
 # H200 Tensor Core GPU datasheet (SXM column); NVLink 4: 900 GB/s per GPU in both directions together.
@@ -74,7 +75,8 @@ def _(q, k, v, blocks):
 
 @torch.library.custom_op("step_cost::attention_backward", mutates_args=())
 def attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                          lse: torch.Tensor, blocks: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lse)
 
 
@@ -192,7 +194,8 @@ class Ledger(LiveMemory):
         tensors_out = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         in_storages = {id(t.untyped_storage()) for t in tensors_in}
         writes_input = any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
-        if not writes_input and func.namespace not in COLLECTIVE_NAMESPACES and tensors_out and all(id(t.untyped_storage()) in in_storages for t in tensors_out):
+        aliased = tensors_out and all(id(t.untyped_storage()) in in_storages for t in tensors_out)
+        if aliased and not writes_input and func.namespace not in COLLECTIVE_NAMESPACES:
             return out  # a view (or a `to` that returned its input): no data moves
         kind = self._kind(func, name, tensors_in)
         reads, seen = [], set()
@@ -307,15 +310,16 @@ def trace_piece(hp, model, fake, ledger, tokens, step):
     ledger.phase = "optimizer"
 
 
-def trace_optimizer_step(model, optimizers, step, untie_at, ledger, traced=True):
-    """One optimizer step (phase 'optimizer'), every parameter with a gradient as after a backward."""
+def trace_optimizer_step(model, optimizers, step, ledger, traced=True):
+    """One optimizer step (phase 'optimizer'), every parameter with a gradient as after a backward (the
+    caller unties the embedding at its stage)."""
     matrix_opt, adam = optimizers
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     with ledger if traced else contextlib.nullcontext():
         ledger.phase = "optimizer"
-        tg.step_optimizers(step, matrix_opt, adam, untie_at)
+        tg.step_optimizers(step, matrix_opt, adam)
 
 
 @dataclasses.dataclass
@@ -375,7 +379,7 @@ def stage_costs(hp, world_size, peaks, stages=range(4)):
         model, optimizers, accum = trace_setup(hp, world_size, ledger)
         untie_at = tg.untie_step(hp)
         trace_piece(hp, model, fake, ledger, tg.PLAN_PIECE_STEP, 1)  # state made by an untraced first step
-        trace_optimizer_step(model, optimizers, 1, None, ledger, traced=False)
+        trace_optimizer_step(model, optimizers, 1, ledger, traced=False)
         for stage in stages:
             first, following = tg.stage_span(stage, hp)
             if following <= first:
@@ -392,7 +396,7 @@ def stage_costs(hp, world_size, peaks, stages=range(4)):
                 optimizers[1].untie()
             for step, share in ((first | 1, odd_steps), ((first | 1) + 1, following - first - odd_steps)):
                 start = len(ledger.ops)
-                trace_optimizer_step(model, optimizers, step, None, ledger)
+                trace_optimizer_step(model, optimizers, step, ledger)
                 totals = cost_of(ledger, ledger.ops[start:], peaks, share / (following - first), totals)
             costs.append(StageCost(stage, following - first, tokens * world_size * accum, **totals))
     return costs, ledger
@@ -404,7 +408,7 @@ def report(hp, world_size, gpu, top=12):
     lines = [f"step-cost ledger: rank 0 of {world_size}, GPU path (FP8 head and MLP, fused attention), "
              f"{peaks['name']} peaks (fp8 {peaks['fp8'] / 1e12:g}, bf16 {peaks['bf16'] / 1e12:g}, "
              f"tf32 {peaks['tf32'] / 1e12:g}, fp32 {peaks['fp32'] / 1e12:g} TFLOP/s; HBM {peaks['hbm'] / 1e12:g} TB/s; "
-             f"NVLink {peaks['nvlink'] / 1e9:g} GB/s per direction)",
+             f"NVLink {peaks['nvlink'] / 1e9:g} GB/s per direction; {peaks['memory_gb']} GB)",
              "a bound: ideal fusion (pointwise chains stay in registers), ideal overlap of the collectives with the "
              "optimizer step, no launch overheads"]
     for c in costs:
