@@ -1679,11 +1679,120 @@ def multi_token_loss(z, targets, weights, loss_mask=None):
     return total
 
 
+FUSED_LOSS_ROWS = 4096  # rows of logits the fused FP8 loss holds in fp32 at once
+
+
+def horizon_rows(n_horizons, start, stop, n):
+    """[(k, rows)]: of the rows [start, stop), the first `rows` have their horizon-k target t + k inside
+    the n positions (horizons without such rows left out)."""
+    return [(k, min(stop, n - k) - start) for k in range(n_horizons) if min(stop, n - k) > start]
+
+
+def horizon_masks(targets, loss_mask, n_horizons):
+    """(n_horizons, n) bool of a micro-step piece: row t's horizon-k term counts where its loss_mask marks t
+    and the target t + k is a token (not NO_TARGET), as multi_token_loss counts them."""
+    n = targets.numel()
+    masks = torch.zeros(n_horizons, n, dtype=torch.bool, device=targets.device)
+    for k in range(n_horizons):
+        masks[k, : n - k] = loss_mask[: n - k] & (targets[k:] >= 0)
+    return masks
+
+
+def softcap_loss_sums(logits, targets, n_horizons, softcap, start, stop, masks=None):
+    """Each horizon's summed loss over the rows [start, stop) of the logits (softcapped as in training);
+    with a piece's horizon_masks, over the terms they mark."""
+    z = softcapped(logits[start:stop], softcap, training=True)
+    lse = torch.logsumexp(z, dim=-1)
+    sums = {}
+    for k, rows in horizon_rows(n_horizons, start, stop, logits.size(0)):
+        terms = lse[:rows] - z[:rows].gather(1, targets[start + k: start + k + rows, None].clamp_min(0))[:, 0]
+        sums[k] = (terms if masks is None else terms * masks[k, start: start + rows]).sum()
+    return sums
+
+
+def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total, masks=None):
+    """d loss / d logits of the rows [start, stop) in the logits' dtype, computed as autograd computes it
+    through softcapped and the loss: dz = p sum_k w_k - sum_k w_k onehot(t + k), then the softcap's scale
+    (and the bf16 cast of a rounded sigmoid), the sigmoid's slope s (1 - s) (s unrounded), 1 / SOFTCAP_WIDTH;
+    with a piece's horizon_masks, only the terms they mark."""
+    z = logits[start:stop].float()
+    if softcap.offset:
+        z = z + softcap.offset
+    s = torch.sigmoid(z / SOFTCAP_WIDTH)
+    capped = softcap.scale * (s.bfloat16().float() if softcap.round_sigmoid else s)
+    probs = torch.softmax(capped, dim=-1)
+    horizons = horizon_rows(weights.numel(), start, stop, logits.size(0))
+    row = torch.arange(stop - start, device=logits.device)
+    counted = [(k, rows, row < rows if masks is None else (row < rows) & masks[k, start:stop]) for k, rows in horizons]
+    count = sum(torch.where(counts, weights[k], 0.0) for k, _, counts in counted)
+    dz = probs * count[:, None]
+    column = torch.arange(logits.size(1), device=logits.device)
+    for k, rows, counts in counted:  # the one-hot targets as a comparison, so that the whole chain fuses pointwise
+        target = F.pad(targets[start + k: start + k + rows], (0, stop - start - rows), value=-1)
+        target = torch.where(counts, target, -1)
+        dz = dz - torch.where(column == target[:, None], weights[k], 0.0)
+    grad = (dz * grad_total) * softcap.scale
+    if softcap.round_sigmoid:  # the gradient passes the sigmoid's bf16 rounding as a bf16 cast
+        grad = grad.bfloat16().float()
+    return (grad * (1 - s) * s / SOFTCAP_WIDTH).to(logits.dtype)
+
+
+class FP8SoftcapLoss(torch.autograd.Function):
+    """The FP8 head and its softcapped (multi-token) loss in one op, summed over tokens: the forward keeps
+    only the bf16 logits (the loss runs over FUSED_LOSS_ROWS rows at a time); the backward writes the
+    logits' gradient once, as the e5m2 tensor the FP8 backward multiplies (column-major, as grad_w's
+    _scaled_mm takes it), computing it and grad_x one row block at a time. Same loss and gradients as
+    autograd through head_matmul, softcapped and multi_token_loss, to fp32 rounding."""
+
+    @staticmethod
+    def forward(ctx, x, w, targets, weights, fp8_scales, softcap, masks):
+        logits, x_f8, w_f8 = mm_fp8(x, w, *fp8_scales)
+        sums = {}
+        for start in range(0, logits.size(0), FUSED_LOSS_ROWS):
+            chunk = softcap_loss_sums(logits, targets, weights.numel(), softcap, start, start + FUSED_LOSS_ROWS,
+                                      masks)
+            for k, value in chunk.items():
+                sums[k] = sums[k] + value if k in sums else value
+        total = logits.new_zeros((), dtype=torch.float32)
+        for k, value in sums.items():
+            total = total + weights[k] * value
+        ctx.save_for_backward(logits, x_f8, w_f8, targets, weights, masks)
+        ctx.scales, ctx.softcap, ctx.w_dtype = fp8_scales, softcap, w.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        logits, x_f8, w_f8, targets, weights, masks = ctx.saved_tensors
+        x_s, w_s, grad_s = ctx.scales
+        n, vocab = logits.shape
+        grad_t = logits.new_empty((vocab, n), dtype=torch.float8_e5m2)  # the logits' gradient, transposed
+        grad_x = logits.new_empty((n, x_f8.size(1)))
+        w_col = w_f8.T.contiguous().T  # _scaled_mm wants its second operand column-major
+        scale = functools.partial(logits.new_tensor, dtype=torch.float32)
+        for start in range(0, n, FUSED_LOSS_ROWS):
+            stop = min(n, start + FUSED_LOSS_ROWS)
+            g = softcap_loss_grad(logits, targets, weights, ctx.softcap, start, stop, grad_total, masks)
+            g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+            grad_x[start:stop] = torch._scaled_mm(g_f8, w_col, out_dtype=torch.bfloat16, scale_a=scale(grad_s),
+                                                  scale_b=scale(w_s), use_fast_accum=False)
+            grad_t[:, start:stop] = g_f8.T
+        # computed as (x_f8.T @ g_f8).T: for the head's (50304, 768) weight that orientation is the faster one
+        grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_t.T, out_dtype=torch.float32, scale_a=scale(x_s),
+                                  scale_b=scale(grad_s), use_fast_accum=False).T
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None
+
+
 def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap=RETIE_SOFTCAP, mtp_weights=None,
                           loss_mask=None):
     """The head and its loss on the GPU path: summed over tokens in training (the next-token loss, or
     the multi-token loss with the step's mtp_weights; the caller divides by the accumulation steps),
-    the mean next-token loss in fp32 for validation. The compiled graph fuses the softcap."""
+    the mean next-token loss in fp32 for validation. In FP8, head and loss are one op (FP8SoftcapLoss);
+    otherwise the compiled graph fuses the softcap."""
+    if training and fp8_scales is not None:
+        weights = x.new_ones(1, dtype=torch.float32) if mtp_weights is None else mtp_weights
+        flat, targets = x.reshape(-1, x.shape[-1]).to(torch.bfloat16), targets.reshape(-1)
+        masks = None if loss_mask is None else horizon_masks(targets, loss_mask, weights.numel())
+        return FP8SoftcapLoss.apply(flat, weight, targets, weights, fp8_scales, softcap, masks)
     if training:
         z = softcapped(head_matmul(x, weight, fp8_scales), softcap, training=True)
         if loss_mask is not None:
@@ -1699,7 +1808,8 @@ class FP8ReluSquareMLP(torch.autograd.Function):
     """relu(x W1^T)^2 W2 with both products in FP8 as record #89 computes them: x scaled by 448/amax(x)
     into e4m3 against W1 quantized per layer; the squared activation scaled by the activation scale
     (1.8 x the previous forward's amax / 448), clamped at 448, into e4m3 against W2 quantized with its
-    delayed scale. The backward runs in the weights' dtype from the saved pre- and post-activations.
+    delayed scale. The backward runs in bf16 from the saved pre- and post-activations, the weight
+    gradients as bf16 GEMMs (fp32 accumulation) returned in fp32, as the reference computes them.
     Also returns amax(post), the next forward's activation amax."""
 
     @staticmethod
@@ -1722,7 +1832,7 @@ class FP8ReluSquareMLP(torch.autograd.Function):
         x, w1, w2, pre, post = ctx.saved_tensors
         grad_out = grad_out.to(x.dtype)
         grad_pre = 2 * (grad_out @ w2.T.type_as(x)) * F.relu(pre)
-        return (grad_pre @ w1.type_as(x), grad_pre.T.float() @ x.float(), post.T.float() @ grad_out.float(),
+        return (grad_pre @ w1.type_as(x), (grad_pre.T @ x).float(), (post.T @ grad_out).float(),
                 None, None, None, None, None)
 
 
