@@ -107,7 +107,7 @@ def expected_cu(lengths, rank_tokens):
 
 
 def check_rank_batch(batch, ref, rank_tokens, max_seq_len):
-    inputs, targets, cu, bigram = batch
+    inputs, targets, cu, bigram, *_ = batch
     assert bigram is None  # no bigram embedding asked for
     ref_tokens, _, ref_lengths = ref
     assert inputs.dtype == torch.int32 and targets.dtype == torch.int64 and cu.dtype == torch.int32
@@ -309,7 +309,7 @@ def test_validation_batches(tmp_path, world, accum):
         np.testing.assert_array_equal(inputs, shard[:val_tokens])
         np.testing.assert_array_equal(targets, shard[1: val_tokens + 1])
         for r in range(world):
-            for x, y, cu, _ in per_rank[r]:
+            for x, y, cu, *_ in per_rank[r]:
                 assert x.dtype == torch.int32 and y.dtype == torch.int64 and cu.dtype == torch.int32
                 assert x.shape == (chunk,) and cu.shape == (chunk + 1,)
                 x = x.numpy()
@@ -407,7 +407,7 @@ def test_tiny_model_learns_synthetic_corpus(tmp_path, one_thread):
         model.eval()
         with torch.no_grad():
             losses = [model(lut[x.long()], lut[y], cu, tg.final_window_blocks(hp)).item()
-                      for x, y, cu, _ in tg.validation_batches(val_tokens, 8192, 1024, 0, 1, 1, CPU)]
+                      for x, y, cu, *_ in tg.validation_batches(val_tokens, 8192, 1024, 0, 1, 1, CPU)]
         model.train()
         return sum(losses) / len(losses)
 
@@ -416,7 +416,7 @@ def test_tiny_model_learns_synthetic_corpus(tmp_path, one_thread):
     train_losses = []
     for step in range(steps):  # Trainer.train_step with one micro-step, on remapped ids
         batch_size, windows = tg.apply_schedule(step, hp, model, muon, adam)
-        x, y, cu, _ = loader.next_batch(batch_size, hp.max_seq_len)
+        x, y, cu, *_ = loader.next_batch(batch_size, hp.max_seq_len)
         loss = model(lut[x.long()], lut[y], cu, windows)
         loss.backward()
         train_losses.append(loss.item() / batch)

@@ -604,7 +604,7 @@ def test_chunked_softcap_loss_matches_autograd(T, loss_kind):
     ref.backward()
 
     xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = tg.ChunkedSoftcapLoss.apply(xc, wc, t, softcap, mtp)
+    loss = tg.ChunkedSoftcapLoss.apply(xc, wc, t, softcap, mtp, None)
     (loss * 2.5).backward()  # the incoming gradient is applied
     # Error model: fp32 sums of 32 (x) or up to 1000 (w) products, each relative error ~2^-24 * sqrt(n)
     # of the gradient's scale; elementwise near-zero entries can be relatively far off, so compare in

@@ -240,8 +240,10 @@ class IncrementalModel:
         self.attention, self.seen, self.start, self.previous_keys, self.shift_layer = CachedAttention(), 0, 0, [], 0
         self.tables = model.rotary.cos_sin(4 * hp.max_seq_len)  # positions of both streams (paired: 2 per token)
 
-    def cos_sin(self, n):
-        """Rotary tables for n rows from this step's first position (paired layers ask for 2 rows a token)."""
+    def cos_sin(self, n, positions=None):
+        """Rotary tables for n rows from this step's first position (paired layers ask for 2 rows a token);
+        `positions` is a micro-step piece's (training only), never given here."""
+        assert positions is None
         offset = self.start * n // self.share[1]
         return tuple(t[offset: offset + n] for t in self.tables)
 
