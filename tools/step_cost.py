@@ -385,12 +385,12 @@ def stage_costs(hp, world_size, peaks, stages=range(4)):
             if following <= first:
                 continue
             tokens = tg.tokens_per_rank(tg.batch_size_at(first, hp), world_size, accum)
-            lengths = [b - a for a, b in tg.piece_bounds(tokens, hp.micro_batch_tokens or tokens)]
-            totals = None
-            for length, count in collections.Counter(lengths).items():
-                start = len(ledger.ops)
-                trace_piece(hp, model, fake, ledger, length, first)
-                totals = cost_of(ledger, ledger.ops[start:], peaks, accum * count, totals)
+            length = tg.padded_piece_length(tokens, hp.micro_batch_tokens, tg.max_seq_len_at(first, hp))
+            # pieces of whole documents: at least ceil(tokens / N) of them (how many more depends on the data)
+            count = 1 if length == tokens else -(-tokens // hp.micro_batch_tokens)
+            start = len(ledger.ops)
+            trace_piece(hp, model, fake, ledger, length, first)
+            totals = cost_of(ledger, ledger.ops[start:], peaks, accum * count, None)
             odd_steps = sum(tg.adam_steps_at(s) for s in range(first, following))
             if optimizers[1].tied and untie_at is not None and untie_at < following:
                 optimizers[1].untie()
