@@ -1,11 +1,12 @@
 """speedrun: train a GPT-2-small-class model on FineWeb to val loss <= 3.28, fast.
 
 One file on purpose: records copy it verbatim. The sections follow one batch: configuration ->
-data (shards, the BOS-aligned loader) -> model -> head (FP8 matmul, softcapped loss) -> CPU fallbacks
-(attention and loss chosen once in build_model, Polar Express's fp32 path in make_optimizers) ->
-optimizers (Polar Express, NorMuon, DistAdam; make_optimizers) -> track-3 optimizers (Shampoo, SOAP,
-AdamW, registered in TRACK3_OPTIMIZERS) -> schedules -> training loop (Trainer) -> memory plan
-(--plan_memory, traced with fake tensors) -> main().
+data (shards, the BOS-aligned loader) -> model (recipe 89's GPT, a LayerPlan per layer) -> head and
+losses (FP8 head, softcapped multi-token loss, FP8 MLP) -> CPU fallbacks (attention and loss chosen once
+in build_model, Polar Express's fp32 path in make_optimizers) -> optimizers (Polar Express, NorMuon,
+DistAdam; make_optimizers) -> track-3 optimizers (Shampoo, SOAP, AdamW, registered in TRACK3_OPTIMIZERS)
+-> schedules (Stage) -> run bookkeeping (log, checkpoints, resume checks, signals) -> training loop
+(Trainer) -> main().
 Run with `./run.sh` (torchrun over all GPUs) or `python train_gpt.py --preset cpu`.
 Importing this module registers two torch ops (speedrun::mm_fp8 and speedrun::mm_fp8_backward) and
 does nothing else; main() runs only under __main__.
@@ -46,8 +47,6 @@ import subprocess
 import threading
 import time
 import uuid
-import warnings
-import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
@@ -59,8 +58,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
     import triton
@@ -85,8 +82,6 @@ def layers_field(default, help):
 
 @dataclass
 class Hyperparameters:
-    recipe: str = hp_field("89", "model/optimizer family: 89 (modded-nanogpt record #89, the default) or retie "
-                                 "(the 2025-12-19 RetieLMHead record); --recipe also sets that recipe's values")
     # data
     train_files: str = hp_field("data/fineweb10B/fineweb_train_*.bin", "glob of training shards (prefixed by $DATA_PATH)")
     val_files: str = hp_field("data/fineweb10B/fineweb_val_*.bin", "glob of validation shards (prefixed by $DATA_PATH)")
@@ -94,13 +89,13 @@ class Hyperparameters:
     cycle_data: bool = hp_field(False, "restart from the first training shard when all are used instead of stopping")
     val_tokens: int = hp_field(10_485_760, "validation tokens (a prefix of the validation shards)")
     val_batch_size: int = hp_field(2_097_152, "validation tokens per validation step, all ranks together")
-    # model
+    # model shape
     vocab_size: int = hp_field(50257, "tokenizer vocabulary; the embedding is padded to a multiple of 128")
     num_layers: int = hp_field(11, "transformer blocks")
     num_heads: int = hp_field(6, "attention heads")
     head_dim: int = hp_field(128, "dimension per head")
     model_dim: int = hp_field(768, "residual stream width")
-    # recipe 89's ideas, each switched off by the value after "off:" (--recipe retie has none of them)
+    # recipe ideas, each switched off by the value after "off:"
     bigram_vocab_size: int = hp_field(754_560, "rows of the hashed bigram embedding (50304 x 15; off: 0)")
     bigram_dim: int = hp_field(192, "width of the bigram embedding, added to the first channels of the stream")
     bigram_sign_rows: int = hp_field(8192, "rows of the random sign table a bigram's row is multiplied by (off: 0)")
@@ -119,11 +114,10 @@ class Hyperparameters:
                                  "(off: 0, a backout lambda instead)")
     sublayer_scalars: bool = hp_field(True, "residual and output lambdas per sublayer, x0 added after attention (off: "
                                             "one residual and x0 lambda per layer before it)")
-    zero_init_attn_out: bool = hp_field(False, "attention output weights start at zero (the retie recipe's init)")
     fp8_mlp: bool = hp_field(True, "MLP matmuls in FP8 with delayed scales where --fp8 puts the head in FP8")
     untie_stage: int = hp_field(2, "stage at whose first odd step the embedding leaves the head (off: -1, tied)")
     softcap_scale: float = hp_field(23.0, "logits -> scale * sigmoid((logits + offset) / 7.5)")
-    softcap_offset: float = hp_field(5.0, "the softcap's offset (the retie recipe: 30 and 0)")
+    softcap_offset: float = hp_field(5.0, "the softcap's offset (off: 0)")
     mtp_weights_start: tuple = hp_field((1.0, 0.5, 0.25, 1.0, 0.5, 0.0, 1.0, 0.0, 0.0),
                                         "loss weights of the next 3 tokens at each stage's start, stage after stage "
                                         "(off: 1 0 0 1 0 0 1 0 0)")
@@ -133,7 +127,7 @@ class Hyperparameters:
     head_fp8_amax: tuple = hp_field((100.0, 1.6, 0.75), "largest values the FP8 head casts: activations, weights, "
                                                         "gradients")
     gates_in_adam: bool = hp_field(True, "the gate weights train with DistAdam (off: with the matrix optimizer)")
-    # batches and schedules
+    # batches and schedule
     num_scheduled_iterations: int = hp_field(1380, "steps of the scheduled run (thirds set batch size, lr, window)")
     num_extension_iterations: int = hp_field(10, "extra steps at the final batch size, window and lr")
     batch_sizes: tuple = hp_field((131072, 262144, 393216), "tokens per optimizer step in each third of the run")
@@ -144,17 +138,13 @@ class Hyperparameters:
                                           "pieces of whole documents with their context, padded to N + max_seq_len + "
                                           "2 positions, whose gradients add up (0: no cap)")
     lr_multipliers: tuple = hp_field((1.0, 1.52, 1.73), "lr multiplier in each third")
-    schedule_rule: str = hp_field("boundaries", "boundaries: thirds end at round(n k / 3), the lr multiplier "
-                                                "switches with them and cools down from int(n (1 - frac)); progress "
-                                                "(retie): third int(3 step / n), the multiplier one step later, the "
-                                                "cooldown weight from step / n")
     cooldown_frac: float = hp_field(0.6, "fraction of scheduled steps over which lr cools down linearly")
     final_lr_multiplier: float = hp_field(0.15, "lr multiplier at the end of cooldown and during extension")
     window_block_tokens: int = hp_field(128, "tokens per attention-window block")
     window_blocks: tuple = hp_field((3, 7, 11), "long attention window (blocks) in each third; short = long // 2")
     extension_window_blocks: int = hp_field(13, "long window during the extension steps")
     final_val_window_blocks: int = hp_field(20, "long window for the final validation (no YaRN)")
-    # optimizers
+    # record optimizers: NorMuon (hidden matrices and gates), DistAdam (the rest)
     muon_lr: float = hp_field(0.023, "NorMuon learning rate")
     muon_wd: float = hp_field(1.2, "NorMuon cautious weight decay (applied as wd*lr, so it follows lr^2)")
     muon_momentum: tuple = hp_field((0.85, 0.95), "NorMuon momentum: start/end value of the warm-up")
@@ -162,17 +152,12 @@ class Hyperparameters:
     muon_momentum_cooldown_steps: int = hp_field(50, "final steps over which momentum returns to its start value")
     muon_beta2: float = hp_field(0.9, "NorMuon second-moment decay")
     muon_qk_head_pairs: bool = hp_field(True, "NorMuon orthogonalizes Q and K per head pair (off: Q and K whole)")
-    muon_lr_rule: str = hp_field("piece", "NorMuon step size sqrt(max(1, rows/cols)) of each orthogonalized piece, "
-                                          "or of the stored parameter (param: the retie recipe)")
     adam_lr: float = hp_field(0.008, "DistAdam learning rate")
     adam_betas: tuple = hp_field((0.65, 0.95), "DistAdam betas (of every parameter without --adam_group_betas)")
     adam_group_betas: bool = hp_field(True, "each kind of parameter has its own DistAdam betas (the recipe's table)")
     adam_eps: float = hp_field(1e-10, "DistAdam epsilon")
     adam_wd: float = hp_field(0.005, "DistAdam cautious weight decay")
-    adam_state_dtype: str = hp_field("fp32", "dtype of DistAdam's moments: fp32, bf16")
-    adam_cautious_mask: str = hp_field("strict", "DistAdam decays where update x weight > 0 (strict) or >= 0 "
-                                                 "(inclusive: also where the update is zero)")
-    # the optimizer of the hidden matrices and gates (track 3: the optimizer race); DistAdam keeps the rest
+    # track 3, the optimizer race: the optimizer of the hidden matrices and gates (DistAdam keeps the rest)
     matrix_optimizer: str = hp_field("normuon", "optimizer of the hidden matrices and gates: normuon, shampoo, soap, adamw")
     shampoo_lr: float = hp_field(0.0015, "Shampoo learning rate")
     shampoo_betas: tuple = hp_field((0.9, 0.95), "Shampoo momentum and factor decay")
@@ -181,7 +166,6 @@ class Hyperparameters:
     shampoo_precondition_frequency: int = hp_field(5, "Shampoo: steps between inverse-root refreshes")
     shampoo_graft_beta2: float = hp_field(0.95, "Shampoo: second-moment decay of the Adam grafting")
     shampoo_graft_eps: float = hp_field(1e-10, "Shampoo: epsilon of the Adam grafting")
-    # the factored optimizers' blocks (Shampoo and SOAP; AdamW takes whole matrices)
     factor_max_dim: int = hp_field(8192, "Shampoo and SOAP: largest factor dimension (blocks are cut to it)")
     factor_dtype: str = hp_field("fp32", "Shampoo and SOAP: dtype of the stored factors and roots/bases: fp32, bf16")
     factor_block_cost: str = hp_field("bytes", "Shampoo and SOAP: block cost for the rank assignment: bytes, poly")
@@ -209,42 +193,30 @@ class Hyperparameters:
     force: bool = hp_field(False, "resume even if the checkpoint was written by a different script or with other training settings")
     profile: str = hp_field("", "START:END steps to record with the PyTorch profiler (Chrome trace next to the log)")
     cpu_threads: int = hp_field(0, "torch threads per process on CPU (0: cores / local processes)")
-    plan_memory: bool = hp_field(False, "print the predicted memory per GPU of this run (traced with fake tensors, "
-                                        "world size from $WORLD_SIZE) and exit without training")
-    gpu_memory_gb: float = hp_field(80.0, "memory of one GPU in GiB: --plan_memory names the largest "
-                                          "--micro_batch_tokens whose predicted peak fits it")
 
 
-# --recipe NAME sets these before the preset's values; every idea of recipe 89 is off in retie.
-RECIPES = {
-    "89": {},
-    "retie": dict(
-        bigram_vocab_size=0, bigram_sign_rows=0, value_embed_layers=(0, 1, -3, -2, -1), value_embed_tables=(1, 2, 0, 1, 2),
-        value_embed_std=0.0, value_embed_gates=False, paired_head_layers=(), xsa_layers=(), skip_gate=False,
-        shared_attention_input=False, mudd_dim=0, sublayer_scalars=False, zero_init_attn_out=True, fp8_mlp=False,
-        untie_stage=-1, softcap_scale=30.0, softcap_offset=0.0, mtp_weights_start=(1.0, 0.0, 0.0) * 3,
-        mtp_weights_end=(1.0, 0.0, 0.0) * 3, head_fp8_amax=(100.0, 1.5, 0.75), gates_in_adam=False,
-        num_scheduled_iterations=1995, num_extension_iterations=40, first_stage_max_seq_len=0,
-        lr_multipliers=(1.0, 1.51, 1.93), schedule_rule="progress", cooldown_frac=0.55, final_lr_multiplier=0.1,
-        muon_beta2=0.95, muon_qk_head_pairs=False, muon_lr_rule="param", adam_group_betas=False, adam_eps=1e-8,
-        adam_state_dtype="bf16", adam_cautious_mask="inclusive"),
-}
 
-# --preset NAME: {recipe: values}, applied after the recipe's values
-CPU_COMMON = dict(  # 2 CPU cores; tuned on the novels corpus (records/track_cpu)
-    device="cpu",  # also where CUDA exists (add --device cuda to run it on a GPU)
-    synthetic_fallback=True, val_tokens=65_536, val_batch_size=8_192, num_layers=9, num_heads=2, head_dim=64,
-    model_dim=128, num_scheduled_iterations=108, num_extension_iterations=4, batch_sizes=(2048, 3072, 4096),
-    max_seq_len=1024, grad_accum_base=1, window_blocks=(2, 4, 6), extension_window_blocks=7, final_val_window_blocks=8,
-    muon_momentum_warmup_steps=20, muon_momentum_cooldown_steps=5, adam_lr=0.02, val_loss_every=36, warmup_steps=0)
+# The sections of Hyperparameters, by their first field: --help groups the flags by them, the README's table too.
+HP_SECTIONS = {"train_files": "data", "vocab_size": "model shape",
+               "bigram_vocab_size": "recipe ideas, each switched off by the value after \"off:\"",
+               "num_scheduled_iterations": "batches and schedule",
+               "muon_lr": "record optimizers: NorMuon (hidden matrices and gates), DistAdam (the rest)",
+               "matrix_optimizer": "track 3, the optimizer race: the optimizer of the hidden matrices and gates",
+               "seed": "run"}
+
+# --preset NAME: values applied before the flags
 PRESETS = {
-    "record": {"89": {}, "retie": {}},
-    "cpu": {
+    "record": {},
+    "cpu": dict(  # 2 CPU cores, ~345 s of training (the track's budget: 500 s); tuned on the novels corpus (records/track_cpu)
+        device="cpu",  # also where CUDA exists (add --device cuda to run it on a GPU)
+        synthetic_fallback=True, val_tokens=65_536, val_batch_size=8_192, num_layers=9, num_heads=2, head_dim=64,
+        model_dim=128, num_scheduled_iterations=108, num_extension_iterations=4, batch_sizes=(2048, 3072, 4096),
+        max_seq_len=1024, grad_accum_base=1, window_blocks=(2, 4, 6), extension_window_blocks=7,
+        final_val_window_blocks=8, muon_momentum_warmup_steps=20, muon_momentum_cooldown_steps=5, adam_lr=0.02,
+        val_loss_every=36, warmup_steps=0, bigram_dim=32,
         # the layer lists count from the end after the attention-free layer, so other depths keep the layout
-        "89": dict(CPU_COMMON, bigram_dim=32, paired_head_layers=(0, 4, -2), xsa_layers=(1, 2, 3, -3, -1),
-                   value_embed_layers=(1, 2, -3, -2, -1), first_stage_max_seq_len=448, lr_multipliers=(1.0, 1.28, 1.41)),
-        "retie": dict(CPU_COMMON, lr_multipliers=(1.0, 1.28, 1.52)),  # ~190 s of training (the track's budget: 500 s)
-    },
+        paired_head_layers=(0, 4, -2), xsa_layers=(1, 2, 3, -3, -1), value_embed_layers=(1, 2, -3, -2, -1),
+        first_stage_max_seq_len=448, lr_multipliers=(1.0, 1.28, 1.41)),
 }
 
 
@@ -261,11 +233,12 @@ def parse_bool(text):
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def build_arg_parser():
+def build_arg_parser(prog="train_gpt.py"):
+    """--preset and one flag per Hyperparameters field, grouped by HP_SECTIONS."""
     parser = argparse.ArgumentParser(
-        prog="train_gpt.py", allow_abbrev=False,  # --num_layer must not silently mean --num_layers
-        description="Train the speedrun GPT. Every field of Hyperparameters is a flag; the --recipe's values are "
-                    "applied first, then the --preset's, then the flags.",
+        prog=prog, allow_abbrev=False,  # --num_layer must not silently mean --num_layers
+        description="Train the speedrun GPT. Every field of Hyperparameters is a flag; the --preset's values are "
+                    "applied first, then the flags.",
     )
     # one-line errors instead of the ~25-line usage that buries the message
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
@@ -273,7 +246,10 @@ def build_arg_parser():
     # flags ("expected one argument") instead of reaching the range checks with their messages
     parser._negative_number_matcher = re.compile(r"^-\.?\d")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="record", help="named configuration (default: record)")
+    group = parser
     for f in fields(Hyperparameters):
+        if f.name in HP_SECTIONS:
+            group = parser.add_argument_group(HP_SECTIONS[f.name])
         default = f.default
         kwargs = dict(default=None, help=f"{f.metadata['help']} (default: {default})")
         if isinstance(default, bool):
@@ -284,32 +260,28 @@ def build_arg_parser():
             kwargs.update(type=type(default[0]), nargs=len(default), metavar=type(default[0]).__name__.upper())
         else:
             kwargs.update(type=type(default), metavar=type(default).__name__.upper())
-        parser.add_argument(f"--{f.name}", **kwargs)
+        group.add_argument(f"--{f.name}", **kwargs)
     return parser
 
 
-def parse_args(argv=None):
-    """The recipe's values, then the preset's, then explicit flags. Returns a validated Hyperparameters."""
-    args = build_arg_parser().parse_args(argv)
+def hyperparameters_from(args):
+    """The preset's values, then the flags given in `args` (an argparse namespace). Validated."""
     values = dataclasses.asdict(Hyperparameters())
-    recipe = args.recipe or values["recipe"]
-    if recipe not in RECIPES:
-        raise ConfigError(f"--recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
-    values.update(RECIPES[recipe])
-    values.update(PRESETS[args.preset][recipe])
-    for name, value in vars(args).items():
-        if name != "preset" and value is not None:
-            values[name] = tuple(value) if isinstance(value, list) else value
+    values.update(PRESETS[args.preset])
+    for f in fields(Hyperparameters):
+        value = getattr(args, f.name)
+        if value is not None:
+            values[f.name] = tuple(value) if isinstance(value, list) else value
     hp = Hyperparameters(**values)
     check_hyperparameters(hp)
     return hp
 
 
+def parse_args(argv=None):
+    return hyperparameters_from(build_arg_parser().parse_args(argv))
+
+
 MTP_HORIZON = 3  # the multi-token-prediction loss weighs the next 1, 2 and 3 tokens
-# the fields of recipe 89's model that RetieGPT does not have
-RECIPE_89_MODEL_IDEAS = ("bigram_vocab_size", "bigram_sign_rows", "value_embed_gates", "paired_head_layers", "xsa_layers",
-                         "skip_gate", "shared_attention_input", "mudd_dim", "sublayer_scalars", "fp8_mlp", "untie_stage",
-                         "muon_qk_head_pairs")
 
 # (flags, test, what the test means): applied to every value of a tuple flag
 VALUE_RULES = [
@@ -318,7 +290,7 @@ VALUE_RULES = [
       "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "shampoo_lr", "shampoo_graft_eps", "bigram_dim",
       "softcap_scale", "head_fp8_amax",
       "shampoo_precondition_frequency", "factor_max_dim", "soap_lr", "soap_eps", "soap_precondition_frequency",
-      "adamw_lr", "adamw_eps", "gpu_memory_gb"), lambda v: v > 0, "must be positive"),
+      "adamw_lr", "adamw_eps"), lambda v: v > 0, "must be positive"),
     (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads", "micro_batch_tokens",
       "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd", "adam_wd", "lr_multipliers",
       "final_lr_multiplier", "shampoo_wd", "shampoo_eps", "soap_wd", "adamw_wd", "bigram_vocab_size", "bigram_sign_rows",
@@ -375,10 +347,7 @@ def check_hyperparameters(hp):
     if hp.save_every % 2:
         raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
     for name, choices in (("device", ("auto", "cuda", "cpu")), ("matrix_optimizer", MATRIX_OPTIMIZERS),
-                          ("factor_dtype", ("fp32", "bf16")), ("factor_block_cost", ("bytes", "poly")),
-                          ("recipe", tuple(RECIPES)), ("schedule_rule", ("boundaries", "progress")),
-                          ("muon_lr_rule", ("piece", "param")), ("adam_state_dtype", ("fp32", "bf16")),
-                          ("adam_cautious_mask", ("strict", "inclusive"))):
+                          ("factor_dtype", ("fp32", "bf16")), ("factor_block_cost", ("bytes", "poly"))):
         if getattr(hp, name) not in choices:
             raise ConfigError(f"--{name} must be one of {', '.join(choices)}, got {getattr(hp, name)!r}")
     if hp.fp8 not in ("auto", "on", "off"):
@@ -391,11 +360,6 @@ def check_hyperparameters(hp):
     if hp.run_id and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", hp.run_id):
         raise ConfigError(f"--run_id may hold letters, digits, '.', '_' and '-', not first (it names a file), got {hp.run_id!r}")
     layer_roles_of(hp)  # raises ConfigError for depths and layer lists without a valid layout
-    if hp.recipe == "retie":
-        changed = [name for name in RECIPE_89_MODEL_IDEAS if getattr(hp, name) != RECIPES["retie"][name]]
-        if changed:
-            raise ConfigError(f"--{changed[0]} is an idea of recipe 89; the retie recipe's model has none of them "
-                              f"(leave it at {_flag_text(RECIPES['retie'][changed[0]])}, or use --recipe 89)")
 
 
 def _flag_text(value):
@@ -626,7 +590,7 @@ def model_inputs(window, doc_lengths, device, bigram_ids=None):
     """The Batch the models take for a window of tokens (inputs window[:-1], targets window[1:]) whose
     inputs are documents of `doc_lengths` (a longer last length is cut), with the inputs' hashed bigram
     ids if the model has a bigram embedding (bigram_hash, over the sequence the ids belong to). Training
-    pieces, validation batches, tools/sample.py and the memory plan all go through here."""
+    pieces, validation batches, tools/sample.py and tools/plan_memory.py all go through here."""
     positions = len(window) - 1
     return to_device(window[:-1], window[1:], padded_cu_seqlens(doc_lengths, positions), device, bigram_ids)
 
@@ -660,10 +624,15 @@ def pack_documents(doc_lengths, max_piece_tokens):
     return bounds, cut
 
 
+def piece_cap(hp):
+    """Most tokens per forward and backward per rank: --micro_batch_tokens, whose 0 means no cap."""
+    return hp.micro_batch_tokens or math.inf
+
+
 def padded_piece_length(tokens, max_piece_tokens, max_seq_len):
     """Positions of the forward a micro-step of `tokens` (documents of at most max_seq_len) runs as: all of
     them uncut, else the fixed length of its pieces (at most max_piece_tokens tokens and their context)."""
-    if not max_piece_tokens or tokens <= max_piece_tokens:
+    if tokens <= max_piece_tokens:
         return tokens
     return max_piece_tokens + max_seq_len + PIECE_CONTEXT_AFTER
 
@@ -871,8 +840,7 @@ def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144
     return paths
 
 # ----------------------------------------------------------------------------------------------
-# Model: tied embedding, smear gate, value embeddings, sliding-window attention, ReLU^2 MLP, U-net
-# skip and backout (the head and its loss follow in the next section)
+# Model: recipe 89's GPT, each layer's work resolved once into a LayerPlan (the head follows)
 
 GATE_INPUTS = 12  # the smear and attention gates read the first 12 channels of their input
 ATTN_BLOCK = 128  # FlexAttention tile size (tokens)
@@ -905,11 +873,7 @@ class LayerRoles:
     xsa: tuple = ()  # layers with XSA
 
 
-# the retie recipe's value embeddings: `. 1 2 ... 0 1 2` (negative layers count from the end)
-RETIE_VALUE_EMBEDS = ((0, 1, -3, -2, -1), (1, 2, 0, 1, 2))
-
-
-def layer_roles(num_layers, value_embeds=RETIE_VALUE_EMBEDS, paired=(), xsa=()):
+def layer_roles(num_layers, value_embeds, paired=(), xsa=()):
     """The 11-layer layout (skip 3->6, no attention in 6, backout 7, long windows 3 and 10) expressed
     relative to the depth, with the value-embedding, paired-head and XSA layers given (negative ones
     count from the end)."""
@@ -995,6 +959,14 @@ class Rotary(nn.Module):
         theta = torch.outer(positions, self.freqs)
         return theta.cos().bfloat16()[:, None, :], theta.sin().bfloat16()[:, None, :]
 
+    def paired_cos_sin(self, seq_len, num_heads, positions=None):
+        """(seq_len, num_heads, head_dim/2) tables of a paired layer: head h of token t sits at rotary position
+        2t + h % 2 (the reference rotates head pairs side by side, then splits the stream by halves)."""
+        parity = torch.arange(num_heads, device=self.freqs.device) % 2
+        doubled = None if positions is None else \
+            (2 * positions[:, None] + torch.arange(2, device=positions.device)).flatten()
+        return tuple(t.view(seq_len, 2, -1)[:, parity] for t in self.cos_sin(2 * seq_len, doubled))
+
 
 def apply_rotary(x, cos_sin):
     cos, sin = cos_sin
@@ -1066,58 +1038,6 @@ class FlexWindowAttention:
         return out[0].transpose(0, 1)
 
 
-class Attention(nn.Module):
-    def __init__(self, dim, num_heads, head_dim):
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
-        hdim = num_heads * head_dim
-        bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
-        # Q, K, V and O in one (4*hdim, dim) matrix so it stacks with the MLP weights in NorMuon;
-        # O is applied as F.linear(y, W_o) (rows are output channels), which needs hdim == dim.
-        qkvo = torch.empty(4 * hdim, dim).uniform_(-bound, bound)
-        qkvo[3 * hdim:].zero_()
-        self.qkvo_w = tag(nn.Parameter(qkvo), "attn", pieces=4)  # Q, K, V, O
-        self.gate_w = tag(nn.Parameter(torch.zeros(num_heads, GATE_INPUTS)), "gate")
-
-    def forward(self, x, lambdas, ve, attention, mask, cos_sin, attn_scale, key_shift):
-        seq_len, hdim = x.size(0), self.num_heads * self.head_dim
-        w = self.qkvo_w.type_as(x)
-        # the attention lambdas scale the weights (QKV by λ0, O by λ1), as in the reference
-        q, k, v = F.linear(x, lambdas[0] * w[: 3 * hdim]).view(seq_len, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = apply_rotary(norm(q), cos_sin), apply_rotary(norm(k), cos_sin)
-        if key_shift:
-            k = shift_keys(k)
-        if ve is not None:
-            v = v + ve.view_as(v)
-        y = attention(q, k, v, mask, attn_scale)
-        y = y * torch.sigmoid(F.linear(x[:, :GATE_INPUTS], self.gate_w.type_as(x)))[..., None]
-        return F.linear(y.reshape(seq_len, hdim), lambdas[1] * w[3 * hdim:])
-
-
-class MLP(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
-        self.fc_w = tag(nn.Parameter(torch.empty(hidden, dim).uniform_(-bound, bound)), "mlp")
-        # Stored (hidden, dim) like fc_w so both stack with the attention weights.
-        self.proj_w = tag(nn.Parameter(torch.zeros(hidden, dim)), "mlp", lr_mul=2.0)
-
-    def forward(self, x):
-        return F.relu(F.linear(x, self.fc_w.type_as(x))).square() @ self.proj_w.type_as(x)
-
-
-class Block(nn.Module):
-    def __init__(self, dim, num_heads, head_dim, has_attn):
-        super().__init__()
-        self.attn = Attention(dim, num_heads, head_dim) if has_attn else None
-        self.mlp = MLP(dim, 4 * dim)
-
-    def forward(self, x, attn_args):
-        if self.attn is not None:
-            x = x + self.attn(norm(x), **attn_args)
-        return x + self.mlp(norm(x))
-
-
 # DistAdam's groups in recipe 89: group -> (betas, lr_mul, wd_mul), the reference's parameter table
 ADAM_GROUPS = {
     "lm_head": ((0.5, 0.95), 1.0, 150.0), "embed": ((0.5, 0.95), 1.0, 150.0),
@@ -1129,21 +1049,50 @@ ADAM_GROUPS = {
 }
 
 MUDD_SCALE = 0.1  # the coefficient networks' outputs (and so their biases) are scaled by 0.1
-MUDD_LAYER_COEFS, MUDD_OUTPUT_COEFS = 14, 5
 VE_GATE_HALF = GATE_INPUTS // 2  # a value-embedding gate reads 6 channels of the input and 6 of the embedding
 
 
+class MuddLayerCoefs(NamedTuple):
+    """The last layer's per-token coefficients (T, 1), MUDD network 0's outputs in this order."""
+    v_x0: Tensor  # its values get v_x0 x0 + v_backout backout + v_x x added
+    v_backout: Tensor
+    v_x: Tensor
+    x0: Tensor  # the stream before attention: (1 + x_boost) x + x0 x0 + backout backout
+    backout: Tensor
+    x_boost: Tensor
+    ve_gate_low: Tensor  # value-embedding gates of the first and the second half of the heads
+    ve_gate_high: Tensor
+    attn_resid: Tensor  # after attention: attn_resid x + attn_out a + attn_x0 x0, plus bigram x the bigram rows
+    attn_out: Tensor
+    attn_x0: Tensor
+    bigram: Tensor
+    mlp_resid: Tensor  # after the MLP: mlp_resid x + mlp_out m
+    mlp_out: Tensor
+
+
+class MuddOutputCoefs(NamedTuple):
+    """The output's per-token coefficients, MUDD network 1's outputs: x + x0 x0 + backout backout + last_input
+    (the last layer's input) + value_embed (the first value embedding) + skip (the U-net skip source)."""
+    x0: Tensor
+    backout: Tensor
+    last_input: Tensor
+    value_embed: Tensor
+    skip: Tensor
+
+
+# the coefficient networks' initial biases (before the 0.1 scale); the rest start at 0
+MUDD_LAYER_BIAS = dict(ve_gate_low=2.0, ve_gate_high=2.0, attn_resid=1.1 ** 0.5, attn_out=1.0, bigram=0.05,
+                       mlp_resid=1.1 ** 0.5, mlp_out=1.0)
+MUDD_OUTPUT_BIAS = dict(backout=-0.5)  # the former backout lambda
+
+
 def mudd_bias_init():
-    """The coefficient networks' initial biases, before the 0.1 scale, rounded to bf16 as the reference
-    stores them: the last layer starts with its value-embedding gates at 2, residual/output lambdas at
-    sqrt(1.1) (1.05 in bf16) and 1, bigram lambda 0.05; the output network with -0.5 on the backout
-    layer's output (the former backout lambda)."""
-    b = torch.zeros(2, MUDD_LAYER_COEFS)
-    b[0, 6] = b[0, 7] = 2.0 / MUDD_SCALE
-    b[0, 8] = b[0, 12] = 1.1 ** 0.5 / MUDD_SCALE
-    b[0, 9] = b[0, 13] = 1.0 / MUDD_SCALE
-    b[0, 11] = 0.05 / MUDD_SCALE
-    b[1, 1] = -0.5 / MUDD_SCALE
+    """The coefficient networks' initial biases (row 0: the last layer, row 1: the output), divided by the 0.1
+    scale and rounded to bf16 as the reference stores them."""
+    b = torch.zeros(2, len(MuddLayerCoefs._fields))
+    for row, (coefs, values) in enumerate(((MuddLayerCoefs, MUDD_LAYER_BIAS), (MuddOutputCoefs, MUDD_OUTPUT_BIAS))):
+        for name, value in values.items():
+            b[row, coefs._fields.index(name)] = value / MUDD_SCALE
     return b.bfloat16().float()
 
 
@@ -1163,43 +1112,161 @@ def uniform_init(rows, cols):
     return torch.empty(rows, cols).uniform_(-bound, bound)
 
 
+class LayerPlan(NamedTuple):
+    """What one layer does, resolved once from the flags (layer_plan), so the forward reads straight through."""
+    attention: bool  # False: the attention-free layer, where the U-net skip lands
+    long_window: bool
+    paired: bool  # two heads share one interleaved stream
+    xsa: bool
+    key_shift: bool
+    value_table: int | None  # the value embedding added to its values, or None
+    value_gate: bool  # its own gate on that value embedding (the MUDD layer's gates come from MUDD)
+    attends_backout: bool  # attends over the backout layer's output instead of its own input
+    residual: str  # "mudd": MUDD's coefficients; "sublayer": lambdas per sublayer; "plain": x + f(x)
+    scale_before: bool  # residual and x0 lambdas (and the bigram) before the layer (no --sublayer_scalars)
+    adds_bigram: bool  # the bigram rows join the stream here (layer 0 has them in x0)
+    skip_in: bool
+    skip_out: bool  # its output is the U-net skip
+    backout_out: bool  # its output is the backout (and MUDD's source)
+
+
+def layer_plan(hp, roles):
+    """Each layer's LayerPlan under the flags."""
+    last, use_mudd = hp.num_layers - 1, hp.mudd_dim > 0
+    plan = []
+    for i in range(hp.num_layers):
+        mudd = use_mudd and i == last
+        table = roles.value_embed.get(i)
+        plan.append(LayerPlan(
+            attention=i != roles.attn_free, long_window=i in roles.long_window, paired=i in roles.paired,
+            xsa=i in roles.xsa, key_shift=i in roles.long_window and i not in roles.paired, value_table=table,
+            value_gate=hp.value_embed_gates and table is not None and not mudd,
+            attends_backout=hp.shared_attention_input and i > roles.backout,
+            residual="mudd" if mudd else "sublayer" if hp.sublayer_scalars else "plain",
+            scale_before=not hp.sublayer_scalars, adds_bigram=i > 0 and hp.bigram_vocab_size > 0,
+            skip_in=i == roles.attn_free, skip_out=i == roles.skip_source, backout_out=i == roles.backout))
+    return plan
+
+
 class Layer(nn.Module):
     """One layer's weights in recipe 89: [Q; K] and [V; O] (each 2 hdim x dim, so NorMuon can cut Q and K
     into head pairs), the attention and value-embedding gates, and the MLP."""
 
-    def __init__(self, hp, has_attn, ve_gate, paired, xsa, key_shift):
+    def __init__(self, hp, plan):
         super().__init__()
         D, H, hdim = hp.model_dim, hp.num_heads, hp.num_heads * hp.head_dim
-        self.paired, self.xsa, self.key_shift = paired, xsa, key_shift
-        if has_attn:
+        if plan.attention:
             qk_pieces = H if hp.muon_qk_head_pairs else 2  # head pairs of Q, then of K
             self.qk_w = tag(nn.Parameter(uniform_init(2 * hdim, D)), "attn_qk", pieces=qk_pieces)
-            vo = uniform_init(2 * hdim, D)
-            if hp.zero_init_attn_out:
-                vo[hdim:].zero_()
-            self.vo_w = tag(nn.Parameter(vo), "attn_vo", pieces=2)
+            self.vo_w = tag(nn.Parameter(uniform_init(2 * hdim, D)), "attn_vo", pieces=2)
             self.gate_w = gate_tag(nn.Parameter(torch.zeros(H, GATE_INPUTS)), "gate", hp)
-            self.ve_gate_w = gate_tag(nn.Parameter(torch.zeros(H, GATE_INPUTS)), "gate", hp) if ve_gate else None
+            self.ve_gate_w = gate_tag(nn.Parameter(torch.zeros(H, GATE_INPUTS)), "gate", hp) if plan.value_gate else None
+        self.num_heads, self.head_dim = H, hp.head_dim
         self.fc_w = tag(nn.Parameter(uniform_init(4 * D, D)), "mlp")
         self.proj_w = tag(nn.Parameter(torch.zeros(4 * D, D)), "mlp", lr_mul=2.0)  # stored (hidden, dim) like fc_w
+
+    def attend(self, plan, x, lambdas, added_v, xsa_alpha, context, attention, attn_scale):
+        """This layer's attention on its normed input x (T, D); the lambdas scale [Q; K; V] and O."""
+        mask, cos_sin = context
+        T, H, hd = x.size(0), self.num_heads, self.head_dim
+        hdim = H * hd
+        w_qkv = torch.cat([self.qk_w, self.vo_w[:hdim]]).type_as(x)
+        q, k, v = F.linear(x, lambdas[0] * w_qkv).view(T, 3, H, hd).unbind(1)
+        q, k = apply_rotary(norm(q), cos_sin), apply_rotary(norm(k), cos_sin)
+        if plan.key_shift:
+            k = shift_keys(k)
+        if added_v is not None:
+            v = v + added_v.view_as(v)
+        if plan.paired:  # row 2t + r, slot s of the doubled stream holds head r H/2 + s of token t
+            y = attention(*(t.reshape(2 * T, H // 2, hd) for t in (q, k, v)), mask, attn_scale).reshape(T, H, hd)
+        else:
+            y = attention(q, k, v, mask, attn_scale)
+        if xsa_alpha is not None:  # subtract a gated share of y along its own (unit) value
+            unit_v = F.normalize(v, dim=-1, eps=1e-4)
+            y = y - torch.tanh(xsa_alpha).type_as(y)[:, None] * (y * unit_v).sum(-1, keepdim=True) * unit_v
+        y = y * torch.sigmoid(F.linear(x[:, :GATE_INPUTS], self.gate_w.type_as(x)))[..., None]
+        return F.linear(y.reshape(T, hdim), lambdas[1] * self.vo_w[hdim:].type_as(x))
+
+    def mlp(self, x):
+        return F.relu(F.linear(x, self.fc_w.type_as(x))).square() @ self.proj_w.type_as(x)
+
+
+class Scalars(NamedTuple):
+    """Named views into GPT.scalars: attention lambda pairs (QKV, O) per layer, smear and skip lambdas, and
+    without MUDD the backout lambda."""
+    attn: Tensor
+    smear: Tensor
+    skip: Tensor
+    backout: Tensor | None
+
+
+class Lambdas(NamedTuple):
+    """The per-layer lambdas of one forward, rounded to bf16 as the reference uses them (None: not in the model)."""
+    resid: Tensor
+    post: Tensor | None
+    x0: Tensor
+    bigram: Tensor | None
+
+
+class Stream(NamedTuple):
+    """What every layer may read besides x: the embedded input x0 (with the bigram rows), the bigram rows, the
+    value embeddings, the U-net skip's scale and the forward's lambdas."""
+    x0: Tensor
+    bigram: Tensor | None
+    values: list
+    skip_scale: Tensor
+    lambdas: Lambdas
+
+
+def add_bigram(x, bigram, lam):
+    """x with the bigram rows (T, bigram_dim) times lam added to its first bigram_dim channels."""
+    if bigram is None:
+        return x
+    width = bigram.size(1)
+    return torch.cat([x[:, :width] + bigram.type_as(x) * lam, x[:, width:]], -1)
+
+
+def bigram_rows(input_seq, bigram_ids, table, signs):
+    """(T, bigram_dim): the bigram rows (hashed by the loader) times signs chosen by both tokens (one row of
+    signs: the same for every pair)."""
+    if signs.size(0) > 1:
+        signs = signs[torch.cat([input_seq[:1] * 0, (input_seq[:-1] ^ input_seq[1:]) % signs.size(0)])]
+    return F.embedding(bigram_ids, table) * signs.type_as(table)
+
+
+def attention_context(model, docs, window_blocks, positions=None):
+    """{(long window, paired): (mask, rotary tables)} of the model's kinds of attention layer (a paired layer's
+    stream is twice as long: two rows per token); `positions`: the tokens' rotary positions (None: 0 ... T - 1)."""
+    context, tables, seq_len = {}, {}, docs.numel()
+    for long, paired in model.attention_kinds():
+        tokens = window_blocks[1 if long else 0] * model.window_block_tokens
+        if paired not in tables:
+            tables[paired] = model.rotary.paired_cos_sin(seq_len, model.num_heads, positions) if paired else \
+                model.rotary.cos_sin(seq_len, positions)
+        mask = model.attention.mask(docs.repeat_interleave(2) if paired else docs, tokens)
+        context[long, paired] = (mask, tables[paired])
+    return context
+
+
+def gate_heads(value, head_gates):
+    """A value embedding (T, D) with each head's part scaled by its gate (T, H)."""
+    return (head_gates[:, :, None] * value.view(*head_gates.shape, -1)).view(value.shape)
 
 
 class GPT(nn.Module):
     """Record #89's model (modded-nanogpt, 2026-07-17): a hashed bigram embedding beside the tied token
-    embedding (untied by the optimizer at --untie_stage), five gated value embeddings, paired-head
-    attention, gated XSA, a gated U-net skip in place of one layer's attention, later layers attending
-    over the backout layer's output, per-sublayer residual lambdas, MUDD coefficient networks for the
-    last layer and the output, a shifted softcap and a multi-token-prediction loss. Every idea is a
-    field of Hyperparameters with a value that removes it."""
+    embedding (untied at --untie_stage), gated value embeddings, paired-head attention, gated XSA, a gated
+    U-net skip, later layers attending over the backout layer's output, per-sublayer residual lambdas, MUDD
+    coefficient networks (last layer and output), a shifted softcap and a multi-token loss. self.plan says
+    what each layer does."""
 
     def __init__(self, hp):
         super().__init__()
         L, H, hd, D = hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim
         self.roles = layer_roles_of(hp)
+        self.plan = layer_plan(hp, self.roles)
         self.num_layers, self.num_heads, self.head_dim = L, H, hd
         self.window_block_tokens = hp.window_block_tokens
-        self.bigram_dim, self.sign_rows = hp.bigram_dim, hp.bigram_sign_rows
-        self.sublayer_scalars, self.shared_attention_input = hp.sublayer_scalars, hp.shared_attention_input
         self.softcap = Softcap(hp.softcap_scale, hp.softcap_offset)
         self.use_mudd = hp.mudd_dim > 0
         # the GPU paths; build_model swaps in the CPU fallbacks on a CPU
@@ -1210,7 +1277,21 @@ class GPT(nn.Module):
         # the FP8 copies and scales of the MLP weights (used with use_fp8; their scales are in every
         # checkpoint, so one written on a GPU resumes on a CPU and back)
         self.fp8_mlp = FP8MLPWeights(L, 4 * D, D) if hp.fp8_mlp else None
-        padded_vocab = -(-hp.vocab_size // 128) * 128
+        self.init_embeddings(hp)
+        self.smear_gate_w = gate_tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "smear_gate", hp)
+        self.skip_gate_w = gate_tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "skip_gate", hp) if hp.skip_gate else None
+        self.layers = nn.ModuleList([Layer(hp, plan) for plan in self.plan])
+        self.rotary = Rotary(hd)
+        self.init_lambdas(hp)
+        if self.use_mudd:
+            w1 = torch.empty(2, hp.mudd_dim, D).uniform_(-1 / math.sqrt(D), 1 / math.sqrt(D))
+            self.mudd_w1 = adam_tag(nn.Parameter(w1), "mudd", hp)
+            self.mudd_w2 = adam_tag(nn.Parameter(torch.zeros(2, len(MuddLayerCoefs._fields), hp.mudd_dim)), "mudd", hp)
+            self.mudd_b2 = adam_tag(nn.Parameter(mudd_bias_init()), "mudd_bias", hp)
+
+    def init_embeddings(self, hp):
+        """The head (its weight also the input embedding until the untie step), value embeddings, bigram table."""
+        D, padded_vocab = hp.model_dim, -(-hp.vocab_size // 128) * 128
         self.lm_head = nn.Linear(D, padded_vocab, bias=False)
         nn.init.normal_(self.lm_head.weight, std=0.005)
         adam_tag(self.lm_head.weight, "lm_head", hp)
@@ -1220,28 +1301,21 @@ class GPT(nn.Module):
         tables = max(self.roles.value_embed.values(), default=-1) + 1
         self.value_embeds = nn.ParameterList([adam_tag(nn.Parameter(torch.randn(padded_vocab, D) * hp.value_embed_std),
                                                        "value_embed", hp) for _ in range(tables)])
+        self.bigram_embed = self.bigram_lambdas = None
         if hp.bigram_vocab_size:
             self.bigram_embed = adam_tag(nn.Parameter(torch.zeros(hp.bigram_vocab_size, hp.bigram_dim)), "bigram", hp)
             # each bigram row is multiplied by random signs chosen by the two tokens (collisions then differ)
             signs = torch.randn(max(hp.bigram_sign_rows, 1), hp.bigram_dim).sign() if hp.bigram_sign_rows else \
                 torch.ones(1, hp.bigram_dim)
             self.register_buffer("bigram_signs", signs)
-            self.bigram_lambdas = adam_tag(nn.Parameter(torch.full((L,), 0.05)), "lambdas", hp)
-        else:
-            self.bigram_embed = self.bigram_lambdas = None
-        self.smear_gate_w = gate_tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "smear_gate", hp)
-        self.skip_gate_w = gate_tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "skip_gate", hp) if hp.skip_gate else None
-        last = L - 1
-        self.layers = nn.ModuleList([
-            Layer(hp, has_attn=i != self.roles.attn_free,
-                  ve_gate=hp.value_embed_gates and i in self.roles.value_embed and not (self.use_mudd and i == last),
-                  paired=i in self.roles.paired, xsa=i in self.roles.xsa,
-                  key_shift=i in self.roles.long_window and i not in self.roles.paired) for i in range(L)])
-        self.rotary = Rotary(hd)
-        # attention lambda pairs (QKV, O) per layer, smear lambda 0, skip lambda -1.5 (sigmoid 0.18);
-        # without MUDD also the backout lambda 0.5
-        extra = [] if self.use_mudd else [0.5]
-        self.scalars = adam_tag(nn.Parameter(torch.tensor([0.5, 1.0] * L + [0.0, -1.5] + extra)), "scalars", hp)
+            self.bigram_lambdas = adam_tag(nn.Parameter(torch.full((hp.num_layers,), 0.05)), "lambdas", hp)
+
+    def init_lambdas(self, hp):
+        """The scalars (attention lambda pairs (QKV, O) per layer, smear lambda 0, skip lambda -1.5: sigmoid
+        0.18; without MUDD also the backout lambda 0.5), residual, output, x0 lambdas and XSA's alphas."""
+        L = hp.num_layers
+        backout_lambda = [] if self.use_mudd else [0.5]
+        self.scalars = adam_tag(nn.Parameter(torch.tensor([0.5, 1.0] * L + [0.0, -1.5] + backout_lambda)), "scalars", hp)
         if hp.sublayer_scalars:  # residual and output lambdas of the attention and the MLP sublayer
             self.resid_lambdas = adam_tag(nn.Parameter(torch.full((L, 2), 1.1 ** 0.5)), "resid_lambdas", hp)
             self.post_lambdas = adam_tag(nn.Parameter(torch.ones(L, 2)), "lambdas", hp)
@@ -1249,285 +1323,137 @@ class GPT(nn.Module):
             self.resid_lambdas = adam_tag(nn.Parameter(torch.full((L,), 1.1)), "resid_lambdas", hp)
             self.post_lambdas = None
         self.x0_lambdas = adam_tag(nn.Parameter(torch.zeros(L)), "lambdas", hp)
-        self.xsa_alphas = adam_tag(nn.Parameter(torch.zeros(L, H)), "lambdas", hp) if self.roles.xsa else None
-        if self.use_mudd:
-            w1 = torch.empty(2, hp.mudd_dim, D).uniform_(-1 / math.sqrt(D), 1 / math.sqrt(D))
-            self.mudd_w1 = adam_tag(nn.Parameter(w1), "mudd", hp)
-            self.mudd_w2 = adam_tag(nn.Parameter(torch.zeros(2, MUDD_LAYER_COEFS, hp.mudd_dim)), "mudd", hp)
-            self.mudd_b2 = adam_tag(nn.Parameter(mudd_bias_init()), "mudd_bias", hp)
+        self.xsa_alphas = adam_tag(nn.Parameter(torch.zeros(L, hp.num_heads)), "lambdas", hp) if self.roles.xsa else None
 
     def embedding_table(self):
         return self.lm_head.weight if self.embed is None else self.embed
 
-    def bf16_params(self):
-        """The parameters the GPU path keeps in bf16, as the reference does: embeddings, head, gates and the
-        MUDD networks (the hidden matrices stay fp32 masters, and the lambdas fp32)."""
-        fp32_groups = ("scalars", "resid_lambdas", "lambdas")
-        return [p for p in self.parameters()
-                if (p.optimizer == "adam" and p.label not in fp32_groups) or p.label == "gate"]
+    def scalar_views(self):
+        L, s = self.num_layers, self.scalars
+        return Scalars(s[: 2 * L].view(L, 2), s[2 * L], s[2 * L + 1], None if self.use_mudd else s[2 * L + 2])
 
-    def mudd(self, x, block, count):
-        """`count` per-token coefficients (T, 1) of MUDD network `block` (0: the last layer, 1: the output)."""
+    def mudd(self, x, block, coefs):
+        """MUDD network `block` (0: the last layer, 1: the output) on x: its per-token coefficients as `coefs`."""
+        count = len(coefs._fields)
         h = F.gelu(F.linear(x, self.mudd_w1[block].type_as(x)))
         out = (F.linear(h, self.mudd_w2[block, :count].type_as(x)) + self.mudd_b2[block, :count].type_as(x)) * MUDD_SCALE
-        return out.split(1, dim=-1)
-
-    def bigram_input(self, input_seq, bigram_ids):
-        """(T, bigram_dim): the bigram rows (hashed by the loader) times signs chosen by both tokens."""
-        if self.bigram_embed is None:
-            return None
-        signs = self.bigram_signs
-        if self.sign_rows:
-            sign_index = torch.cat([input_seq[:1] * 0, (input_seq[:-1] ^ input_seq[1:]) % self.sign_rows])
-            signs = signs[sign_index]
-        return F.embedding(bigram_ids, self.bigram_embed) * signs.type_as(self.bigram_embed)
-
-    def add_bigram(self, x, bigram, lam):
-        return x if bigram is None else torch.cat([x[:, :self.bigram_dim] + bigram.type_as(x) * lam, x[:, self.bigram_dim:]], -1)
+        return coefs(*out.split(1, dim=-1))
 
     def attention_kinds(self):
         """{(long window, paired)} of the attention layers: each kind needs a mask of its own."""
-        return {(i in self.roles.long_window, layer.paired) for i, layer in enumerate(self.layers)
-                if i != self.roles.attn_free}
+        return {(plan.long_window, plan.paired) for plan in self.plan if plan.attention}
 
-    def attention_context(self, docs, window_blocks, seq_len, positions=None):
-        """{(long window, paired): (mask, rotary tables)} of the attention layers: a paired layer's
-        stream is twice as long (two rows per token), and head h of token t sits at rotary position
-        2t + h % 2 (the reference rotates head pairs side by side, then splits the stream by halves).
-        `positions`: the tokens' rotary positions t (None: 0 ... seq_len - 1)."""
-        context, tables = {}, {}
-        for long, paired in self.attention_kinds():
-            tokens = window_blocks[1 if long else 0] * self.window_block_tokens
-            if paired not in tables:
-                if paired:
-                    parity = torch.arange(self.num_heads, device=docs.device) % 2
-                    doubled = None if positions is None else \
-                        (2 * positions[:, None] + torch.arange(2, device=docs.device)).flatten()
-                    tables[paired] = tuple(t.view(seq_len, 2, -1)[:, parity]
-                                           for t in self.rotary.cos_sin(2 * seq_len, doubled))
-                else:
-                    tables[paired] = self.rotary.cos_sin(seq_len, positions)
-            mask = self.attention.mask(docs.repeat_interleave(2) if paired else docs, tokens)
-            context[long, paired] = (mask, tables[paired])
-        return context
-
-    def attend(self, layer, x, lambdas, aux_v, xsa_alpha, context):
-        """One layer's attention on its normed input x (T, D); the lambdas scale [Q; K; V] and O."""
-        mask, cos_sin = context
-        T, H, hd = x.size(0), self.num_heads, self.head_dim
-        hdim = H * hd
-        w_qkv = torch.cat([layer.qk_w, layer.vo_w[:hdim]]).type_as(x)
-        q, k, v = F.linear(x, lambdas[0] * w_qkv).view(T, 3, H, hd).unbind(1)
-        q, k = apply_rotary(norm(q), cos_sin), apply_rotary(norm(k), cos_sin)
-        if layer.key_shift:
-            k = shift_keys(k)
-        if aux_v is not None:
-            v = v + aux_v.view_as(v)
-        if layer.paired:  # row 2t + r, slot s of the doubled stream holds head r H/2 + s of token t
-            y = self.attention(*(t.reshape(2 * T, H // 2, hd) for t in (q, k, v)), mask, self.rotary.attn_scale)
-            y = y.reshape(T, H, hd)
-        else:
-            y = self.attention(q, k, v, mask, self.rotary.attn_scale)
-        if xsa_alpha is not None:  # subtract a gated share of y along its own (unit) value
-            unit_v = F.normalize(v, dim=-1, eps=1e-4)
-            y = y - torch.tanh(xsa_alpha).type_as(y)[:, None] * (y * unit_v).sum(-1, keepdim=True) * unit_v
-        y = y * torch.sigmoid(F.linear(x[:, :GATE_INPUTS], layer.gate_w.type_as(x)))[..., None]
-        return F.linear(y.reshape(T, hdim), lambdas[1] * layer.vo_w[hdim:].type_as(x))
-
-    def mlp(self, layer, i, x):
-        if self.fp8_mlp is not None and self.use_fp8 and self.training:
-            return self.fp8_mlp(i, x, layer.fc_w, layer.proj_w)
-        return F.relu(F.linear(x, layer.fc_w.type_as(x))).square() @ layer.proj_w.type_as(x)
-
-    def fp8_scales(self):
-        return self.head_fp8_scales if self.use_fp8 else None
-
-    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None, mtp_weights=None,
-                positions=None, loss_mask=None):
-        """Loss of one packed sequence: window_blocks = (short, long) attention windows in blocks,
-        bigram_ids the loader's hashed bigrams, mtp_weights the step's weights of the next 3 tokens;
-        positions and loss_mask those of a micro-step piece (Batch), else None."""
-        T, L, H, hd = input_seq.numel(), self.num_layers, self.num_heads, self.head_dim
-        roles, last = self.roles, self.num_layers - 1
-        docs = document_ids(cu_seqlens, T)
-        context = self.attention_context(docs, window_blocks, T, positions)
-        # lambdas the reference rounds to bf16 before use
-        bf16 = lambda t: None if t is None else t.bfloat16()  # noqa: E731
-        resid, post, x0_lam, bigram_lam = map(bf16, (self.resid_lambdas, self.post_lambdas, self.x0_lambdas,
-                                                     self.bigram_lambdas))
-        sa = self.scalars[: 2 * L].view(L, 2)
-        smear_lam, skip_lam = self.scalars[2 * L], self.scalars[2 * L + 1]
-
+    def embed_input(self, input_seq, bigram_ids):
+        """The Stream of one sequence: smeared, normed embeddings plus the bigram rows as x0, and the rest."""
+        as_bf16 = lambda t: None if t is None else t.bfloat16()  # noqa: E731
+        lambdas = Lambdas(*map(as_bf16, (self.resid_lambdas, self.post_lambdas, self.x0_lambdas, self.bigram_lambdas)))
+        scalars = self.scalar_views()
         x = F.embedding(input_seq, self.embedding_table())
         # smear: each token's embedding takes a gated share of the previous one (across documents too)
-        gate = smear_lam * torch.sigmoid(F.linear(x[1:, :GATE_INPUTS], self.smear_gate_w.type_as(x)))
+        gate = scalars.smear * torch.sigmoid(F.linear(x[1:, :GATE_INPUTS], self.smear_gate_w.type_as(x)))
         x = norm(torch.cat([x[:1], x[1:] + gate * x[:-1]]))
-        bigram = self.bigram_input(input_seq, bigram_ids)
-        x = x0 = self.add_bigram(x, bigram, None if bigram is None else bigram_lam[0].type_as(x))  # x0 holds it too
-        ve = [F.embedding(input_seq, table).type_as(x) for table in self.value_embeds]
+        bigram = None if self.bigram_embed is None else \
+            bigram_rows(input_seq, bigram_ids, self.bigram_embed, self.bigram_signs)
+        x0 = add_bigram(x, bigram, None if bigram is None else lambdas.bigram[0].type_as(x))
+        values = [F.embedding(input_seq, table).type_as(x0) for table in self.value_embeds]
+        skip_scale = torch.sigmoid(scalars.skip)
         if self.skip_gate_w is not None:
-            skip_scale = torch.sigmoid(skip_lam) * 2 * torch.sigmoid(F.linear(x0[:, :GATE_INPUTS], self.skip_gate_w.type_as(x)))
+            skip_scale = skip_scale * 2 * torch.sigmoid(F.linear(x0[:, :GATE_INPUTS], self.skip_gate_w.type_as(x0)))
+        return Stream(x0, bigram, values, skip_scale, lambdas)
+
+    def scale_before(self, i, x, stream):
+        """Without per-sublayer lambdas: x <- resid x + x0_lambda x0 (and the bigram rows) before layer i."""
+        lam = stream.lambdas
+        x = lam.resid[i].type_as(x) * x + lam.x0[i].type_as(x) * stream.x0
+        return add_bigram(x, stream.bigram, lam.bigram[i].type_as(x)) if self.plan[i].adds_bigram else x
+
+    def attention_sublayer(self, i, x, stream, backout, context):
+        """Layer i's attention and its residual update: (x, the MUDD layer's coefficients or None)."""
+        layer, plan, lam, x0 = self.layers[i], self.plan[i], stream.lambdas, stream.x0
+        attn_in = norm(backout if plan.attends_backout else x)
+        value = None if plan.value_table is None else stream.values[plan.value_table]
+        coefs = self.mudd(x, 0, MuddLayerCoefs) if plan.residual == "mudd" else None
+        if coefs is not None:
+            mudd_v = coefs.v_x0 * x0 + coefs.v_backout * backout + coefs.v_x * x
+            x = (1 + coefs.x_boost) * x + coefs.x0 * x0 + coefs.backout * backout
+            head_gates = torch.cat([coefs.ve_gate_low, coefs.ve_gate_high], -1).repeat_interleave(self.num_heads // 2, -1)
+            added_v = mudd_v if value is None else gate_heads(value, head_gates) + mudd_v
+        elif value is not None and plan.value_gate:
+            gate_in = torch.cat([attn_in[:, :VE_GATE_HALF], value[:, :VE_GATE_HALF]], -1)
+            added_v = gate_heads(value, 2 * torch.sigmoid(F.linear(gate_in, layer.ve_gate_w.type_as(x))))
         else:
-            skip_scale = torch.sigmoid(skip_lam)
-        cache = {}  # outputs of the skip source and the backout layer, and the last layer's input
-        for i, layer in enumerate(self.layers):
-            mu = None
-            if i == roles.attn_free:
-                x = x + skip_scale * cache["skip"]
-            if not self.sublayer_scalars:  # one residual and x0 lambda per layer, before it
-                x = resid[i].type_as(x) * x + x0_lam[i].type_as(x) * x0
-                if i > 0:
-                    x = self.add_bigram(x, bigram, None if bigram is None else bigram_lam[i].type_as(x))
-            if i != roles.attn_free:
-                source = cache["backout"] if self.shared_attention_input and "backout" in cache else x
-                attn_in = norm(source)
-                table = roles.value_embed.get(i)
-                value = None if table is None else ve[table]
-                if self.use_mudd and i == last:
-                    cache["last_input"] = x
-                    mu = self.mudd(x, 0, MUDD_LAYER_COEFS)
-                    v_mudd = mu[0] * x0 + mu[1] * cache["backout"] + mu[2] * x
-                    x = (1 + mu[5]) * x + mu[3] * x0 + mu[4] * cache["backout"]
-                    lanes = torch.cat([mu[6], mu[7]], -1).repeat_interleave(H // 2, -1)  # half the heads each
-                    aux_v = v_mudd if value is None else (lanes[:, :, None] * value.view(T, H, hd)).view(T, -1) + v_mudd
-                elif value is not None and layer.ve_gate_w is not None:
-                    gate_in = torch.cat([attn_in[:, :VE_GATE_HALF], value[:, :VE_GATE_HALF]], -1)
-                    lanes = 2 * torch.sigmoid(F.linear(gate_in, layer.ve_gate_w.type_as(x)))
-                    aux_v = (lanes[:, :, None] * value.view(T, H, hd)).view(T, -1)
-                else:
-                    aux_v = value
-                xsa = self.xsa_alphas[i] if layer.xsa else None
-                a = self.attend(layer, attn_in, sa[i], aux_v, xsa, context[i in roles.long_window, layer.paired])
-                if mu is not None:
-                    x = self.add_bigram(mu[8] * x + mu[9] * a + mu[10] * x0, bigram, mu[11])
-                elif self.sublayer_scalars:
-                    x = resid[i, 0].type_as(x) * x + post[i, 0].type_as(x) * a + x0 * x0_lam[i].type_as(x)
-                    if i > 0:
-                        x = self.add_bigram(x, bigram, None if bigram is None else bigram_lam[i].type_as(x))
-                else:
-                    x = x + a
-            m = self.mlp(layer, i, norm(x))
-            if mu is not None:
-                x = mu[12] * x + mu[13] * m
-            elif self.sublayer_scalars:
-                x = resid[i, 1].type_as(x) * x + post[i, 1].type_as(x) * m
-            else:
-                x = x + m
-            if i == roles.skip_source:
-                cache["skip"] = x
-            if i == roles.backout:
-                cache["backout"] = x
+            added_v = value
+        xsa_alpha = self.xsa_alphas[i] if plan.xsa else None
+        a = layer.attend(plan, attn_in, self.scalar_views().attn[i], added_v, xsa_alpha,
+                         context[plan.long_window, plan.paired], self.attention, self.rotary.attn_scale)
+        if plan.residual == "mudd":
+            x = coefs.attn_resid * x + coefs.attn_out * a + coefs.attn_x0 * x0
+            return add_bigram(x, stream.bigram, coefs.bigram), coefs
+        if plan.residual == "plain":
+            return x + a, None
+        x = lam.resid[i, 0].type_as(x) * x + lam.post[i, 0].type_as(x) * a + x0 * lam.x0[i].type_as(x)
+        return add_bigram(x, stream.bigram, lam.bigram[i].type_as(x)) if plan.adds_bigram else x, None
+
+    def mlp_sublayer(self, i, x, stream, coefs):
+        """Layer i's MLP and its residual update."""
+        layer = self.layers[i]
+        fp8 = self.fp8_mlp is not None and self.use_fp8 and self.training
+        m = self.fp8_mlp(i, norm(x), layer.fc_w, layer.proj_w) if fp8 else layer.mlp(norm(x))
+        if self.plan[i].residual == "mudd":
+            return coefs.mlp_resid * x + coefs.mlp_out * m
+        if self.plan[i].residual == "plain":
+            return x + m
+        return stream.lambdas.resid[i, 1].type_as(x) * x + stream.lambdas.post[i, 1].type_as(x) * m
+
+    def trunk(self, input_seq, cu_seqlens, window_blocks, bigram_ids=None, positions=None):
+        """The normed last hidden states (T, D) of one packed sequence: window_blocks = (short, long)
+        attention windows in blocks, bigram_ids the loader's hashed bigrams, positions those of a micro-step
+        piece (Batch; None: 0 ... T - 1)."""
+        T = input_seq.numel()
+        context = attention_context(self, document_ids(cu_seqlens, T), window_blocks, positions)
+        stream = self.embed_input(input_seq, bigram_ids)
+        x, skip, backout, last_input = stream.x0, None, None, None
+        for i, plan in enumerate(self.plan):
+            if plan.skip_in:
+                x = x + stream.skip_scale * skip
+            if plan.scale_before:
+                x = self.scale_before(i, x, stream)
+            last_input = x if plan.residual == "mudd" else last_input
+            coefs = None
+            if plan.attention:
+                x, coefs = self.attention_sublayer(i, x, stream, backout, context)
+            x = self.mlp_sublayer(i, x, stream, coefs)
+            skip = x if plan.skip_out else skip
+            backout = x if plan.backout_out else backout
         if self.use_mudd:
-            mu = self.mudd(x, 1, MUDD_OUTPUT_COEFS)
-            first_ve = ve[0] if ve else 0
-            x = x + mu[0] * x0 + mu[1] * cache["backout"] + mu[2] * cache["last_input"] + mu[3] * first_ve + \
-                mu[4] * cache["skip"]
+            out = self.mudd(x, 1, MuddOutputCoefs)
+            first_value = stream.values[0] if stream.values else 0
+            x = x + out.x0 * stream.x0 + out.backout * backout + out.last_input * last_input + \
+                out.value_embed * first_value + out.skip * skip
         else:
-            x = x - self.scalars[2 * L + 2] * cache["backout"]
-        return self.head_loss(norm(x), self.lm_head.weight, target_seq.long(), self.training, self.fp8_scales(),
-                              self.softcap, mtp_weights, loss_mask)
+            x = x - self.scalar_views().backout * backout
+        return norm(x)
 
-
-class RetieGPT(nn.Module):
-    """The retie recipe's model (modded-nanogpt's 2025-12-19 RetieLMHead record): tied embedding, smear
-    gate, value embeddings, half-truncated RoPE + YaRN, key shift, sliding-window document attention,
-    ReLU^2 MLP, U-net skip and backout."""
-
-    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, window_block_tokens=128,
-                 value_embeds=RETIE_VALUE_EMBEDS, softcap=None):
-        super().__init__()
-        self.roles = layer_roles(num_layers, value_embeds)
-        self.num_layers = num_layers
-        self.window_block_tokens = window_block_tokens
-        self.softcap = softcap or RETIE_SOFTCAP
-        # the GPU paths; build_model swaps in the CPU fallbacks on a CPU
-        self.attention = FlexWindowAttention()
-        self.head_loss = softcap_cross_entropy
-        self.use_fp8 = False  # FP8 head matmul in training (build_model turns it on where supported)
-        self.head_fp8_scales = HEAD_FP8_SCALES
-        padded_vocab = -(-vocab_size // 128) * 128
-        hdim = num_heads * head_dim
-        self.lm_head = nn.Linear(model_dim, padded_vocab, bias=False)
-        nn.init.normal_(self.lm_head.weight, std=0.005)
-        tag(self.lm_head.weight, "lm_head")  # also the input embedding table (tied)
-        tables = max(self.roles.value_embed.values(), default=-1) + 1
-        self.value_embeds = nn.ParameterList(
-            [tag(nn.Parameter(torch.zeros(padded_vocab, hdim)), "value_embed", lr_mul=75.0) for _ in range(tables)])
-        self.smear_gate_w = tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "gate")
-        self.blocks = nn.ModuleList(
-            [Block(model_dim, num_heads, head_dim, has_attn=i != self.roles.attn_free) for i in range(num_layers)])
-        self.rotary = Rotary(head_dim)
-        self.scalars = tag(nn.Parameter(initial_scalars(num_layers)), "scalars", lr_mul=5.0, wd_mul=0.0)
-
-    def bf16_params(self):
-        """The parameters the GPU path keeps in bf16, as the reference does: embeddings, head and gates."""
-        return [self.lm_head.weight, *self.value_embeds, self.smear_gate_w,
-                *(block.attn.gate_w for block in self.blocks if block.attn is not None)]
-
-    def scalar_views(self):
-        """Named views into the flat `scalars` parameter (layout of initial_scalars)."""
-        n, s = self.num_layers, self.scalars
-        return dict(resid=s[:n], x0=s[n: 2 * n], attn=s[2 * n: 4 * n].view(n, 2),
-                    smear=s[4 * n], backout=s[4 * n + 1], skip=s[4 * n + 2])
+    def loss(self, x, target_seq, mtp_weights=None, loss_mask=None):
+        """The head's loss on the trunk's output: summed in training (with the step's mtp_weights of the next 3
+        tokens and a piece's loss_mask), the mean next-token loss in evaluation."""
+        return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training,
+                              self.head_fp8_scales if self.use_fp8 else None, self.softcap, mtp_weights, loss_mask)
 
     def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None, mtp_weights=None,
                 positions=None, loss_mask=None):
-        """Loss of one packed sequence; window_blocks = (short, long) attention windows in blocks. The
-        retie recipe has no bigram embedding and no multi-token loss (both arguments must be None)."""
-        assert bigram_ids is None and mtp_weights is None, "the retie recipe has no bigram embedding or multi-token loss"
-        seq_len = input_seq.numel()
-        roles, lam = self.roles, self.scalar_views()
-        docs = document_ids(cu_seqlens, seq_len)
-        short_blocks, long_blocks = window_blocks
-        masks = {long: self.attention.mask(docs, blocks * self.window_block_tokens)
-                 for long, blocks in ((True, long_blocks), (False, short_blocks))}
-        cos_sin = self.rotary.cos_sin(seq_len, positions)
+        """Loss of one packed sequence (see trunk and loss)."""
+        return self.loss(self.trunk(input_seq, cu_seqlens, window_blocks, bigram_ids, positions), target_seq,
+                         mtp_weights, loss_mask)
 
-        x = F.embedding(input_seq, self.lm_head.weight)
-        # smear: each token's embedding takes a gated share of the previous one (across documents too)
-        gate = lam["smear"] * torch.sigmoid(F.linear(x[1:, :GATE_INPUTS], self.smear_gate_w.type_as(x)))
-        x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
-        x = x0 = norm(x)
-        ve = [F.embedding(input_seq, table) for table in self.value_embeds]
-        skip = backout = None
-        for i, block in enumerate(self.blocks):
-            if i == roles.attn_free:  # the U-net skip lands before this layer's residual scaling
-                x = x + torch.sigmoid(lam["skip"]) * skip
-            x = (lam["resid"][0] + lam["x0"][0]) * x if i == 0 else lam["resid"][i] * x + lam["x0"][i] * x0
-            long = i in roles.long_window
-            table = roles.value_embed.get(i)
-            attn_args = dict(lambdas=lam["attn"][i], ve=None if table is None else ve[table], attention=self.attention,
-                             mask=masks[long], cos_sin=cos_sin, attn_scale=self.rotary.attn_scale, key_shift=long)
-            x = block(x, attn_args)
-            if i == roles.skip_source:
-                skip = x
-            if i == roles.backout:
-                backout = x
-        x = norm(x - lam["backout"] * backout)
-        return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training,
-                              self.head_fp8_scales if self.use_fp8 else None, self.softcap, None, loss_mask)
+    def logits(self, input_seq, cu_seqlens, window_blocks, bigram_ids=None, last_only=False):
+        """Softcapped float32 logits (padded vocabulary) of every position, or of the last one (sampling)."""
+        x = self.trunk(input_seq, cu_seqlens, window_blocks, bigram_ids)
+        return softcapped(head_matmul(x[-1:] if last_only else x, self.lm_head.weight, None), self.softcap)
 
-
-def next_token_logits(model, batch, window_blocks):
-    """Softcapped float32 logits (padded vocabulary) of the token after the batch's inputs: the model's own
-    forward, its head's loss swapped for the last position's logits (tools/sample.py)."""
-    head_loss = model.head_loss
-    model.head_loss = lambda x, weight, *_: softcapped(head_matmul(x[-1:], weight, None), model.softcap)[0]
-    try:
-        return model(batch.inputs, batch.inputs, batch.cu_seqlens, window_blocks, batch.bigram_ids)
-    finally:
-        model.head_loss = head_loss
-
-
-def initial_scalars(num_layers):
-    """resid λ (1.1) x L, x0 λ (0) x L, attention λ pairs (0.5, 1.0) x L, smear λ 0, backout λ 0.5,
-    skip λ -1.5 (the reference pads them for its sharded Adam; DistAdam pads its own shards)."""
-    n = num_layers
-    return torch.tensor([1.1] * n + [0.0] * n + [0.5, 1.0] * n + [0.0, 0.5, -1.5])
 
 # ----------------------------------------------------------------------------------------------
-# Head: the tied x @ W.T in FP8 (a custom op: e4m3 forward, e5m2 gradients, static scales) and the
-# softcapped cross-entropy
+# Head and losses: the FP8 head op, softcapped multi-token loss (fused in FP8), the FP8 MLP
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
 
@@ -1538,10 +1464,6 @@ def head_fp8_scales(amax, grad_divisor=1):
     gradients' by the accumulation steps, as its loss is."""
     x, w, g = amax
     return x / E4M3_MAX, w / E4M3_MAX, g / E4M3_MAX / grad_divisor
-
-
-# retie's head: activations up to ~100, weights ~1.5, gradients ~0.75
-HEAD_FP8_SCALES = head_fp8_scales((100.0, 1.5, 0.75))
 
 
 def fp8_forward(x, w, x_s, w_s):
@@ -1642,7 +1564,6 @@ class Softcap(NamedTuple):
 
 
 SOFTCAP_WIDTH = 7.5
-RETIE_SOFTCAP = Softcap(30.0)  # a shifted 15 tanh
 
 
 # Validation computes the head over at most this many tokens at once, so its memory does not grow with
@@ -1782,8 +1703,7 @@ class FP8SoftcapLoss(torch.autograd.Function):
         return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None
 
 
-def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap=RETIE_SOFTCAP, mtp_weights=None,
-                          loss_mask=None):
+def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None, loss_mask=None):
     """The head and its loss on the GPU path: summed over tokens in training (the next-token loss, or
     the multi-token loss with the step's mtp_weights; the caller divides by the accumulation steps),
     the mean next-token loss in fp32 for validation. In FP8, head and loss are one op (FP8SoftcapLoss);
@@ -1893,9 +1813,11 @@ class FP8MLPWeights(nn.Module):
         return out
 
 # ----------------------------------------------------------------------------------------------
-# CPU fallbacks: FlexAttention has no CPU backward, so attention runs as tiled SDPA with the same mask;
-# the softcapped loss runs in chunks with gradients formed on the way (both chosen once in build_model);
-# Polar Express runs in fp32, as bf16 matmuls without native support are ~20x slower (make_optimizers)
+# CPU fallbacks: tiled SDPA attention and a chunked loss (chosen once in build_model), fp32 Polar Express
+
+# FlexAttention has no CPU backward, so attention runs as tiled SDPA with the same mask; the softcapped loss
+# runs in chunks with its gradients formed on the way; Polar Express runs in fp32 (make_optimizers), as bf16
+# matmuls without native support are ~20x slower.
 
 def local_window_mask(docs, window_tokens):
     """Queries in tiles of ATTN_BLOCK; each tile sees the window_tokens keys before it plus itself.
@@ -1941,7 +1863,7 @@ class TiledWindowAttention:
 SOFTCAP_CHUNK = 512  # rows of logits alive at once in the CPU loss
 
 
-def chunked_softcap_loss(x, w, targets, with_grads, softcap=RETIE_SOFTCAP, mtp_weights=None, loss_mask=None):
+def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, loss_mask=None):
     """Summed cross-entropy of the softcapped logits of x @ w.T (with mtp_weights: the multi-token
     loss; with loss_mask: over its terms, as multi_token_loss), SOFTCAP_CHUNK rows at a time; with_grads
     also forms d loss / d x and d loss / d w on the way.
@@ -2006,8 +1928,7 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
         return grad_x * grad_total, grad_w * grad_total, None, None, None, None
 
 
-def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap=RETIE_SOFTCAP, mtp_weights=None,
-                                  loss_mask=None):
+def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None, loss_mask=None):
     """softcap_cross_entropy for the CPU: same values, chunked (fp8_scales and the sigmoid's bf16
     rounding are ignored: no FP8 on CPU, and the CPU path computes in fp32)."""
     if training:
@@ -2032,9 +1953,6 @@ def check_fp8_device(hp, device):
 
 def new_model(hp):
     """The recipe's model, on the CPU, in fp32, with the GPU paths."""
-    if hp.recipe == "retie":
-        return RetieGPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, hp.window_block_tokens,
-                        (hp.value_embed_layers, hp.value_embed_tables), Softcap(hp.softcap_scale, hp.softcap_offset))
     return GPT(hp)
 
 
@@ -2050,24 +1968,31 @@ def build_model(hp, device, accum=1):
                          FlexWindowAttention(compile_kernel=not hp.compile), accum)
 
 
+def bf16_params(model):
+    """The parameters the GPU path keeps in bf16, as the reference does: embeddings, head, gates and the MUDD
+    networks (the hidden matrices stay fp32 masters, and the lambdas fp32)."""
+    fp32_groups = ("scalars", "resid_lambdas", "lambdas")
+    return [p for p in model.parameters() if (p.optimizer == "adam" and p.label not in fp32_groups) or p.label == "gate"]
+
+
 def use_gpu_paths(model, hp, use_fp8, attention, accum=1):
     """The GPU paths: bf16 embeddings and gates (as in the reference), the FP8 head (and recipe 89's FP8
     MLP) if use_fp8, `attention`; `accum` scales recipe 89's FP8 gradient cast as its loss is scaled."""
-    for p in model.bf16_params():
+    for p in bf16_params(model):
         p.data = p.data.to(torch.bfloat16)
     model.use_fp8 = use_fp8
     model.attention = attention
-    if isinstance(model, GPT):
-        model.head_fp8_scales = head_fp8_scales(hp.head_fp8_amax, accum)
-        model.softcap = model.softcap._replace(round_sigmoid=True)
-        if use_fp8 and model.fp8_mlp is not None:
-            model.fp8_mlp.quantize(model.layers, bootstrap=True)
+    model.head_fp8_scales = head_fp8_scales(hp.head_fp8_amax, accum)
+    model.softcap = model.softcap._replace(round_sigmoid=True)
+    if use_fp8 and model.fp8_mlp is not None:
+        model.fp8_mlp.quantize(model.layers, bootstrap=True)
     return model
 
 # ----------------------------------------------------------------------------------------------
-# Optimizers: Polar Express orthogonalization (symmetric-product Triton kernels on GPU), NorMuon for
-# the hidden matrices and gates, sharded DistAdam for the embedding/head, value embeddings and scalars,
-# and the record's wiring of them (make_optimizers, step_optimizers)
+# Optimizers: Polar Express (Triton kernels on GPU), NorMuon, sharded DistAdam, and the record's wiring
+
+# NorMuon trains the hidden matrices and gates, DistAdam the embedding/head, value embeddings and scalars;
+# make_optimizers and step_optimizers wire them as the record does.
 
 def xxt_torch(X, out=None):
     """X @ X.mT for (m, n) or (batch, m, n)."""
@@ -2310,10 +2235,9 @@ class NorMuon(ScheduledOptimizer):
     GPU_POLAR_EXPRESS, or CPU_POLAR_EXPRESS on a CPU.
     """
 
-    def __init__(self, params, lr, weight_decay, momentum, beta2=0.95, polar=GPU_POLAR_EXPRESS, lr_rule="param",
-                 compile_math=False):
+    def __init__(self, params, lr, weight_decay, momentum, beta2, polar=GPU_POLAR_EXPRESS, compile_math=False):
         self.rank, self.world_size = world_info()
-        self.polar, self.lr_rule = polar, lr_rule
+        self.polar = polar
         # the pointwise math compiled (fused) on the GPU, as the reference's is
         self.normalize = torch.compile(normalize_variance, dynamic=False) if compile_math else normalize_variance
         self.apply_update = torch.compile(cautious_update, dynamic=False) if compile_math else cautious_update
@@ -2335,9 +2259,9 @@ class NorMuon(ScheduledOptimizer):
         def per_param(values):
             return torch.tensor(values + padding, dtype=torch.float32, device=params[0].device)
 
-        def shape_factor(q):  # sqrt(max(1, rows/cols)) of the piece or of the stored parameter
+        def shape_factor(q):  # sqrt(max(1, rows/cols)) of each piece the parameter is orthogonalized in
             rows, cols = q.shape
-            return max(1.0, (rows // q.pieces if self.lr_rule == "piece" else rows) / cols) ** 0.5
+            return max(1.0, rows // q.pieces / cols) ** 0.5
 
         return dict(
             params=params, lr=lr, initial_lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2, chunk=chunk,
@@ -2548,34 +2472,29 @@ def adam_direction(m, v, t, beta1, beta2, eps):
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def adam_update_(exp_avg, exp_avg_sq, grad, weight, beta1, beta2, eps, step_size, decay, strict_mask):
-    """The reference's Adam step with cautious decay, in fp32: the moments (stored in any dtype) are
-    updated in place, `weight` (an fp32 copy of the slice) becomes the new weight and is returned.
-    Decay only where the update agrees with the weight's sign (> 0 if strict_mask, else >= 0)."""
-    m = ema_(exp_avg.to(torch.float32, copy=True), grad, beta1)
-    v = ema_square_(exp_avg_sq.to(torch.float32, copy=True), grad, beta2)
+def adam_update_(exp_avg, exp_avg_sq, grad, weight, beta1, beta2, eps, step_size, decay):
+    """The reference's Adam step with cautious decay, in fp32: the moments are updated in place, `weight` (an
+    fp32 copy of the slice) becomes the new weight and is returned. Decay only where the update agrees with
+    the weight's sign (update x weight > 0)."""
+    m = ema_(exp_avg.clone(), grad, beta1)
+    v = ema_square_(exp_avg_sq.clone(), grad, beta2)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     update = m.div_(v.sqrt_().add_(eps)).mul_(step_size)
-    mask = (update * weight) > 0 if strict_mask else (update * weight) >= 0
-    update.add_(weight * decay * mask)
+    update.add_(weight * decay * ((update * weight) > 0))
     return weight.sub_(update)
 
 
 class DistAdam(ScheduledOptimizer):
-    """ZeRO-1 Adam: each rank keeps the moments (in `state_dtype`) of its slice of dim 0 of every
-    parameter. A first dimension that does not divide by the world size is padded with zero rows in the
+    """ZeRO-1 Adam: each rank keeps the fp32 moments of its slice of dim 0 of every parameter. A first dimension that does not divide by the world size is padded with zero rows in the
     communication buffers and the moments (the parameter keeps its shape). step() starts every
     parameter's reduce-scatter (AVG), then per parameter waits, updates its slice and all-gathers it.
-    A parameter's own betas (tag) replace `betas`. Cautious decay where update x weight >= 0, or > 0
-    with strict_mask. `tie` = (head, embedding): until untie(), the embedding's gradient joins the
+    A parameter's own betas (tag) replace `betas`. Cautious decay where update x weight > 0. `tie` = (head, embedding): until untie(), the embedding's gradient joins the
     head's, and the embedding is a copy of the updated head.
     """
 
-    def __init__(self, params, lr, betas, eps, weight_decay, state_dtype="bf16", strict_mask=False, tie=None,
-                 compile_math=False):
+    def __init__(self, params, lr, betas, eps, weight_decay, tie=None, compile_math=False):
         self.rank, self.world_size = world_info()
-        self.state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
         # the pointwise math compiled (fused) on the GPU, as the reference's is; the per-step factors, and
         # there the betas (float64: 1 - beta as in Python), are 0-dim CPU tensors, so that one graph per shape
         # serves every parameter group and step
@@ -2584,7 +2503,7 @@ class DistAdam(ScheduledOptimizer):
         self._step_size, self._decay = torch.zeros(()), torch.zeros(())
         self._betas = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         self._pending, self._gathers = None, []
-        self.strict_mask, self.tie, self.tied = strict_mask, tie, tie is not None
+        self.tie, self.tied = tie, tie is not None
         self.param_groups = [dict(params=[p], lr=lr, initial_lr=lr, betas=getattr(p, "betas", None) or betas, eps=eps,
                                   weight_decay=weight_decay, step=0, exp_avg=None, exp_avg_sq=None) for p in params]
 
@@ -2659,12 +2578,12 @@ class DistAdam(ScheduledOptimizer):
             embed.copy_(head)
 
     def _adam_update(self, group, grad, weight, p):
-        """The reference's Adam step with cautious decay, in fp32 (moments stored in state_dtype);
-        `weight` is an fp32 copy of this rank's slice and is updated in place."""
+        """The reference's Adam step with cautious decay, in fp32; `weight` is an fp32 copy of this rank's slice
+        and is updated in place."""
         beta1, beta2 = group["betas"]
         if group["exp_avg"] is None:
-            group["exp_avg"] = torch.zeros_like(weight, dtype=self.state_dtype)
-            group["exp_avg_sq"] = torch.zeros_like(weight, dtype=self.state_dtype)
+            group["exp_avg"] = torch.zeros_like(weight, dtype=torch.float32)
+            group["exp_avg_sq"] = torch.zeros_like(weight, dtype=torch.float32)
         group["step"] += 1
         t = group["step"]
         lr = group["lr"] * p.lr_mul  # the parameter's own learning rate
@@ -2677,7 +2596,7 @@ class DistAdam(ScheduledOptimizer):
         if self.compiled:
             beta1, beta2 = (t.fill_(beta) for t, beta in zip(self._betas, (beta1, beta2)))
         return self.math(group["exp_avg"], group["exp_avg_sq"], grad, weight, beta1, beta2, group["eps"],
-                         self._step_size, self._decay, self.strict_mask)
+                         self._step_size, self._decay)
 
     def state_dict(self):
         """Full moments (all ranks' slices gathered, the padding cut off); collective when distributed."""
@@ -2723,15 +2642,13 @@ def make_optimizers(model, hp, compile_math=None):
     embed = getattr(model, "embed", None)
     if compile_math is None:
         compile_math = model.lm_head.weight.device.type == "cuda" and hp.compile
-    adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd, hp.adam_state_dtype,
-                    hp.adam_cautious_mask == "strict", tie=None if embed is None else (model.lm_head.weight, embed),
-                    compile_math=compile_math)
+    adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd,
+                    tie=None if embed is None else (model.lm_head.weight, embed), compile_math=compile_math)
     if hp.matrix_optimizer != "normuon":
         return make_track3_optimizer(hp.matrix_optimizer, matrix_params, hp), adam
     on_cpu = model.lm_head.weight.device.type == "cpu"
     return NorMuon(matrix_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2,
-                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS, lr_rule=hp.muon_lr_rule,
-                   compile_math=compile_math), adam
+                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS, compile_math=compile_math), adam
 
 
 def step_optimizers(step, matrix_opt, adam, untie_at=None):
@@ -3121,15 +3038,27 @@ def make_track3_optimizer(name, params, hp):
     return cls(params, **{argument: getattr(hp, flag) for argument, flag in flags.items()})
 
 # ----------------------------------------------------------------------------------------------
-# Schedules: everything that changes with the step (record: 1380 scheduled steps in thirds + 10 extension)
+# Schedules: the Stages and everything that changes with the step (record: 1380 steps in thirds + 10)
 
 
 # The float expressions below follow the reference recipes' schedule functions operation for
 # operation, so every step gets bit-identical values (e.g. int(3 * (step / n)), not 3 * step // n).
 
 
+class Stage(NamedTuple):
+    """One stage of the run: the thirds of the scheduled steps (0-2), then the extension (3)."""
+    first_step: int
+    end_step: int  # the next stage's first step (first_step == end_step: an empty stage of a very short run)
+    batch_tokens: int
+    max_seq_len: int  # the longest document piece
+    window_blocks: tuple  # (short, long) attention windows in blocks: short = long // 2, as in the reference
+    lr_multiplier: float  # before the cooldown
+    mtp_start: tuple  # loss weights of the next 3 tokens at the first step, linear to mtp_end (the extension: flat)
+    mtp_end: tuple
+
+
 def stage_ends(hp):
-    """Where the thirds end under --schedule_rule boundaries: round(n k/3) with k/3 summed in floats."""
+    """Where the thirds end: round(n k / 3) with k / 3 summed in floats, as the reference computes them."""
     n, ends, fraction = hp.num_scheduled_iterations, [], 0.0
     for _ in range(2):
         fraction += 1 / 3
@@ -3137,41 +3066,42 @@ def stage_ends(hp):
     return ends + [n]
 
 
+def stages(hp):
+    """The run's four Stages, from the flags' per-stage values."""
+    n = hp.num_scheduled_iterations
+    bounds = [0, *stage_ends(hp), n + hp.num_extension_iterations]
+    mtp_start = [hp.mtp_weights_start[MTP_HORIZON * k: MTP_HORIZON * (k + 1)] for k in range(3)]
+    mtp_end = [hp.mtp_weights_end[MTP_HORIZON * k: MTP_HORIZON * (k + 1)] for k in range(3)]
+    longs = (*hp.window_blocks, hp.extension_window_blocks)
+    return [Stage(bounds[k], bounds[k + 1], (*hp.batch_sizes, hp.batch_sizes[-1])[k],
+                  hp.first_stage_max_seq_len if k == 0 and hp.first_stage_max_seq_len else hp.max_seq_len,
+                  (longs[k] // 2, longs[k]), (*hp.lr_multipliers, hp.lr_multipliers[-1])[k],
+                  (*mtp_start, mtp_end[-1])[k], (*mtp_end, mtp_end[-1])[k]) for k in range(4)]
+
+
 def stage_at(step, hp):
     """0, 1, 2 for the thirds of the scheduled steps, 3 for the extension."""
-    n = hp.num_scheduled_iterations
-    if step >= n:
+    if step >= hp.num_scheduled_iterations:
         return 3
-    if hp.schedule_rule == "boundaries":
-        return next(stage for stage, end in enumerate(stage_ends(hp)) if step < end)
-    return int(3 * (step / n))
+    return next(stage for stage, end in enumerate(stage_ends(hp)) if step < end)
 
 
-def stage_starts(hp):
-    """The first step of stages 0-3 and the run's end (a stage of a very short run may be empty)."""
-    total = hp.num_scheduled_iterations + hp.num_extension_iterations
-    steps = sorted(_stage_start_candidates(hp) | {total})
-    return [next(t for t in steps if t == total or stage_at(t, hp) >= stage) for stage in range(4)] + [total]
-
-
-def stage_span(stage, hp):
-    """(first step, first step of the next stage) of a stage."""
-    starts = stage_starts(hp)
-    return starts[stage], starts[stage + 1]
+def stage_of(step, hp):
+    """The Stage `step` belongs to (the final step: the extension's)."""
+    return stages(hp)[stage_at(step, hp)]
 
 
 def max_seq_len_at(step, hp):
-    return hp.first_stage_max_seq_len if hp.first_stage_max_seq_len and stage_at(step, hp) == 0 else hp.max_seq_len
+    return stage_of(step, hp).max_seq_len
 
 
 def batch_size_at(step, hp):
-    return (*hp.batch_sizes, hp.batch_sizes[-1])[stage_at(step, hp)]
+    return stage_of(step, hp).batch_tokens
 
 
 def window_blocks_at(step, hp):
-    """(short, long) attention windows in blocks: short = long // 2 blocks, as in the reference."""
-    long = (*hp.window_blocks, hp.extension_window_blocks)[stage_at(step, hp)]
-    return long // 2, long
+    """(short, long) attention windows in blocks."""
+    return stage_of(step, hp).window_blocks
 
 
 def final_window_blocks(hp):
@@ -3180,30 +3110,14 @@ def final_window_blocks(hp):
 
 
 def lr_multiplier_at(step, hp):
-    """Stage multiplier, then a linear cooldown over the last cooldown_frac of the scheduled steps to
-    final_lr_multiplier, which also holds during the extension. Under --schedule_rule boundaries the
-    multiplier switches with the batch size and the cooldown runs from step int(n (1 - frac)); under
-    progress only once progress is strictly past 1/3 and 2/3 (one step after the batch size does),
-    with the cooldown weight computed from the progress."""
+    """The stage's multiplier (switching with the batch size), then a linear cooldown from step
+    int(n (1 - cooldown_frac)) to final_lr_multiplier at step n, which also holds during the extension."""
     n = hp.num_scheduled_iterations
-    if hp.schedule_rule == "boundaries":
-        multiplier = (*hp.lr_multipliers, hp.lr_multipliers[-1])[stage_at(step, hp)]
-        cooldown_start = int(n * (1 - hp.cooldown_frac))
-        if step >= cooldown_start:
-            t = min(1.0, (step - cooldown_start) / (n - cooldown_start)) if n > cooldown_start else 1.0
-            multiplier = multiplier * (1 - t) + hp.final_lr_multiplier * t
-        return multiplier
-    if step > n:
-        return hp.final_lr_multiplier
-    progress = step / n
-    multiplier = hp.lr_multipliers[0]
-    if progress > 1 / 3:
-        multiplier = hp.lr_multipliers[1]
-    if progress > 2 / 3:
-        multiplier = hp.lr_multipliers[2]
-    if hp.cooldown_frac > 0 and progress >= 1 - hp.cooldown_frac:
-        weight = (1 - progress) / hp.cooldown_frac
-        return multiplier * weight + (1 - weight) * hp.final_lr_multiplier
+    multiplier = stage_of(step, hp).lr_multiplier
+    cooldown_start = int(n * (1 - hp.cooldown_frac))
+    if step >= cooldown_start:
+        t = min(1.0, (step - cooldown_start) / (n - cooldown_start)) if n > cooldown_start else 1.0
+        multiplier = multiplier * (1 - t) + hp.final_lr_multiplier * t
     return multiplier
 
 
@@ -3231,33 +3145,22 @@ def multi_token_prediction(hp):
 def mtp_weights_at(step, hp):
     """The loss weights of the next 3 tokens at `step`: linear within each stage from its start to its
     end values; the extension (and the final step) keep the last stage's end values."""
-    stage = stage_at(step, hp)
-    if stage == 3:
-        return hp.mtp_weights_end[-MTP_HORIZON:]
-    first, following = stage_span(stage, hp)
-    t = (step - first) / (following - first)
-    starts = hp.mtp_weights_start[MTP_HORIZON * stage: MTP_HORIZON * (stage + 1)]
-    ends = hp.mtp_weights_end[MTP_HORIZON * stage: MTP_HORIZON * (stage + 1)]
-    return tuple(a + (b - a) * t for a, b in zip(starts, ends))
+    stage = stage_of(step, hp)
+    if stage.first_step == hp.num_scheduled_iterations:
+        return stage.mtp_end
+    t = (step - stage.first_step) / (stage.end_step - stage.first_step)
+    return tuple(a + (b - a) * t for a, b in zip(stage.mtp_start, stage.mtp_end))
 
 
 def untie_step(hp):
     """The step after whose optimizer step the embedding leaves the head: the first odd step of
     --untie_stage (an Adam step, which still updates them tied); None if they stay tied."""
-    return None if hp.untie_stage < 0 else stage_span(hp.untie_stage, hp)[0] | 1
+    return None if hp.untie_stage < 0 else stages(hp)[hp.untie_stage].first_step | 1
 
 
 def stage_first_steps(hp):
-    """The first step of every stage (what the compile warm-up visits)."""
-    total = hp.num_scheduled_iterations + hp.num_extension_iterations
-    return sorted(s for s in _stage_start_candidates(hp)
-                  if 0 <= s < total and (s == 0 or stage_at(s, hp) != stage_at(s - 1, hp)))
-
-
-def _stage_start_candidates(hp):
-    """A stage starts within two steps of k n / 3 under either rule: only those steps are looked at."""
-    n = hp.num_scheduled_iterations
-    return {0, n} | {s for k in (1, 2) for s in range(max(0, k * n // 3 - 2), k * n // 3 + 3)}
+    """The first step of every stage that has steps (what the compile warm-up visits)."""
+    return sorted({stage.first_step for stage in stages(hp) if stage.first_step < stage.end_step})
 
 
 def apply_schedule(step, hp, model, *optimizers):
@@ -3271,7 +3174,7 @@ def apply_schedule(step, hp, model, *optimizers):
     return batch_size_at(step, hp), windows
 
 # ----------------------------------------------------------------------------------------------
-# Training loop: setup, warm-up, timed steps, validation, checkpoints, logs
+# Run bookkeeping: the log and run lock, checkpoints and resume checks, ranks, stop signals, profiler
 
 SEPARATOR = "=" * 100
 CHECKPOINT_MAGIC = b"SPEEDRUN-CKPT-1\n"
@@ -3473,8 +3376,7 @@ def newest_sound_checkpoint(folder, warn):
 # micro_batch_tokens, which only changes the pieces micro-steps run as (resuming logs the change).
 RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force", "profile", "cpu_threads",
                      "val_loss_every", "warmup_steps", "device", "compile", "fp8", "seed", "train_files", "val_files",
-                     "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size", "micro_batch_tokens",
-                     "plan_memory", "gpu_memory_gb"}
+                     "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size", "micro_batch_tokens"}
 MODEL_SHAPE_FLAGS = ("vocab_size", "num_layers", "num_heads", "head_dim", "model_dim", "matrix_optimizer")
 
 
@@ -3767,38 +3669,6 @@ def failing_together(device, during="setup"):
         raise error
 
 
-def micro_step_pieces(hp, world_size, accum):
-    """[(tokens of a micro-step per rank, the positions of each forward it runs as)] of the run's stages, each
-    pair once (one compiled length each)."""
-    pairs = []
-    for stage, batch in enumerate(hp.batch_sizes):
-        tokens = tokens_per_rank(batch, world_size, accum)
-        longest = hp.first_stage_max_seq_len if stage == 0 and hp.first_stage_max_seq_len else hp.max_seq_len
-        pair = (tokens, padded_piece_length(tokens, hp.micro_batch_tokens, longest))
-        if pair not in pairs:
-            pairs.append(pair)
-    return pairs
-
-
-def describe_pieces(pieces):
-    return ", ".join(f"{tokens:,} uncut" if length == tokens else f"{tokens:,} in pieces of {length:,} positions"
-                     for tokens, length in pieces)
-
-
-def check_batch_splits(hp, world_size, accum):
-    """Every training and the validation batch splits evenly over ranks and micro-steps (else one line)."""
-    for b in hp.batch_sizes:
-        tokens_per_rank(b, world_size, accum)
-    tokens_per_rank(hp.val_batch_size, world_size, accum, what="--val_batch_size")
-
-
-def window_tensors(hp, device):
-    """Every (short, long) window pair of the run as a device tensor, made once: the compiled model
-    takes the windows as data, so no window change recompiles and no step copies them."""
-    pairs = {window_blocks_at(step, hp) for step in stage_first_steps(hp)} | {final_window_blocks(hp)}
-    return {pair: torch.tensor(pair, dtype=torch.int32, device=device) for pair in pairs}
-
-
 def rng_state(device):
     return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else None)
 
@@ -3993,6 +3863,64 @@ def remove_stale_checkpoint_writes(folder, log):
         log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in {folder}")
 
 
+# ----------------------------------------------------------------------------------------------
+# Training loop: micro-step pieces, the data and model of a run, Trainer (warm-up, timed steps, validation)
+
+def micro_step_pieces(hp, world_size, accum):
+    """[(tokens of a micro-step per rank, the positions of each forward it runs as)] of the run's stages, each
+    pair once (one compiled length each)."""
+    pairs = []
+    for stage in stages(hp)[:3]:
+        tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
+        pair = (tokens, padded_piece_length(tokens, piece_cap(hp), stage.max_seq_len))
+        if pair not in pairs:
+            pairs.append(pair)
+    return pairs
+
+
+def finite_validation_loss(value):
+    if not math.isfinite(value):
+        raise FloatingPointError(f"validation loss is {value}; lower the learning rates (--muon_lr/--adam_lr) or "
+                                 f"check the data, then rerun")
+    return value
+
+
+def step_line(step, total_steps, ms, val_loss=None):
+    val = f" val_loss:{val_loss:.4f}" if val_loss is not None else ""
+    return f"step:{step}/{total_steps}{val} train_time:{ms:.0f}ms step_avg:{ms / max(step, 1):.2f}ms"
+
+
+def log_arguments(log, argv, hp, continuing):
+    """The run's arguments, and for a new run its hyperparameters, in the log file (not on the console)."""
+    log(f"{'continued by --resume auto with args' if continuing else 'args'}: {json.dumps(list(argv))}", console=False)
+    if not continuing:
+        log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
+
+
+def pieces_line(stage, tokens, positions, cut, cap):
+    return (f"stage {stage} pieces: {tokens:,} tokens in {positions:,} positions ({1 - tokens / positions:.1%} padding "
+            f"and context); documents longer than --micro_batch_tokens {cap}, cut: {cut}")
+
+
+def describe_pieces(pieces):
+    return ", ".join(f"{tokens:,} uncut" if length == tokens else f"{tokens:,} in pieces of {length:,} positions"
+                     for tokens, length in pieces)
+
+
+def check_batch_splits(hp, world_size, accum):
+    """Every training and the validation batch splits evenly over ranks and micro-steps (else one line)."""
+    for b in hp.batch_sizes:
+        tokens_per_rank(b, world_size, accum)
+    tokens_per_rank(hp.val_batch_size, world_size, accum, what="--val_batch_size")
+
+
+def window_tensors(hp, device):
+    """Every (short, long) window pair of the run as a device tensor, made once: the compiled model
+    takes the windows as data, so no window change recompiles and no step copies them."""
+    pairs = {window_blocks_at(step, hp) for step in stage_first_steps(hp)} | {final_window_blocks(hp)}
+    return {pair: torch.tensor(pair, dtype=torch.int32, device=device) for pair in pairs}
+
+
 def open_data(hp, rank, world_size, device, accum, log):
     """(training loader, validation tokens, validation files), every shard checked before any work."""
     if hp.micro_batch_tokens:
@@ -4082,10 +4010,7 @@ class Trainer:
             if self.rank == 0 and hp.run_id and lifetime is not None:  # (a fresh uuid needs no lock)
                 lifetime.enter_context(RunLock(self.log.path.parent / f"{self.run_id}.lock", hp.log_dir))
             continuing = self.rank == 0 and check_outputs(hp, self.log.path, self.checkpoint_folder, self.total_steps)
-            prefix = "continued by --resume auto with args" if continuing else "args"
-            self.log(f"{prefix}: {json.dumps(list(argv))}", console=False)
-            if not continuing:
-                self.log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
+            log_arguments(self.log, argv, hp, continuing)
             self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
             self.loader, self.val_tokens, val_files = open_data(hp, self.rank, self.world_size, self.device, self.accum,
                                                                 self.log)
@@ -4097,7 +4022,7 @@ class Trainer:
         for warning in restart_warnings(hp):
             self.log(f"warning: {warning}")
         self.model, self.forward = start_model(hp, self.device, self.world_size, self.accum)
-        self.fp8_mlp = getattr(self.model, "fp8_mlp", None) if self.model.use_fp8 else None
+        self.fp8_mlp = self.model.fp8_mlp if self.model.use_fp8 else None
         self.matrix_opt, self.adam = make_optimizers(self.model, hp)
         self.windows = window_tensors(hp, self.device)
         self.untie_at, self.mtp_weights = untie_step(hp), mtp_weight_table(hp, self.device)
@@ -4107,7 +4032,6 @@ class Trainer:
         with failing_together(self.device):
             self.log.open(continuing)
 
-    # --- one step -------------------------------------------------------------------------
     def schedule(self, step):
         """Set step's lr, momentum and YaRN state; returns its (batch size, windows)."""
         return apply_schedule(step, self.hp, self.model, self.matrix_opt, self.adam)
@@ -4124,8 +4048,7 @@ class Trainer:
         total, stop_votes = totals.unbind()
         for _ in range(self.accum):
             # the training loss is a sum over tokens, so the pieces' losses add up to the micro-step's
-            for batch in self.loader.next_pieces(rank_tokens, max_seq_len_at(step, self.hp),
-                                                 self.hp.micro_batch_tokens or rank_tokens):
+            for batch in self.loader.next_pieces(rank_tokens, max_seq_len_at(step, self.hp), piece_cap(self.hp)):
                 loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, self.windows[windows],
                                     batch.bigram_ids, mtp, batch.positions, batch.loss_mask) / self.accum
                 loss.backward()
@@ -4153,13 +4076,8 @@ class Trainer:
             loss = torch.stack(losses).mean()
         if self.world_size > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        value = loss.item()
-        if not math.isfinite(value):
-            raise FloatingPointError(f"validation loss is {value}; lower the learning rates (--muon_lr/--adam_lr) "
-                                     f"or check the data, then rerun")
-        return value
+        return finite_validation_loss(loss.item())
 
-    # --- state -------------------------------------------------------------------------------
     def snapshot(self):
         """Everything a bit-exact continuation needs (collective when distributed)."""
         return dict(
@@ -4191,10 +4109,9 @@ class Trainer:
         moved = f" (written by {snap['world_size']} processes, continued on {self.world_size})" \
             if snap["world_size"] != self.world_size else ""
         self.log(f"resumed from {path} at step {self.step}{moved}")
-        written_with = snap["hyperparameters"].get("micro_batch_tokens", 0)
-        if written_with != self.hp.micro_batch_tokens:
-            self.log(f"--micro_batch_tokens changes from {written_with} (the checkpoint's run) to "
-                     f"{self.hp.micro_batch_tokens}: the same data from here on, cut into other pieces")
+        if snap["hyperparameters"].get("micro_batch_tokens", 0) != self.hp.micro_batch_tokens:
+            self.log(f"--micro_batch_tokens changes from {snap['hyperparameters'].get('micro_batch_tokens', 0)} (the "
+                     f"checkpoint's run) to {self.hp.micro_batch_tokens}: the same data from here on, in other pieces")
 
     def checkpoint(self, tag, required=False):
         """Write a checkpoint (collective; rank 0 writes) and return its path (None elsewhere). A failed
@@ -4217,19 +4134,14 @@ class Trainer:
         self.model.rotary.reset()
         synchronize(self.device)
 
-    # --- the run -----------------------------------------------------------------------------
     def log_step(self, step, val_loss=None):
         ms = self.clock.ms if val_loss is not None else self.clock.running_ms()
-        val = f" val_loss:{val_loss:.4f}" if val_loss is not None else ""
-        self.log(f"step:{step}/{self.total_steps}{val} train_time:{ms:.0f}ms step_avg:{ms / max(step, 1):.2f}ms")
+        self.log(step_line(step, self.total_steps, ms, val_loss))
 
     def log_pieces(self, stage):
         """The padding of the pieces a stage's micro-steps ran as, and the documents cut (longer than a piece)."""
-        tokens, positions, cut = map(int, self.loader.piece_counts)
-        if positions:
-            self.log(f"stage {stage} pieces: {tokens:,} tokens in {positions:,} positions ({1 - tokens / positions:.1%} "
-                     f"padding and context); documents longer than --micro_batch_tokens {self.hp.micro_batch_tokens}, "
-                     f"cut: {cut}")
+        if self.loader.piece_counts[1]:
+            self.log(pieces_line(stage, *map(int, self.loader.piece_counts), self.hp.micro_batch_tokens))
         self.loader.piece_counts[:] = 0
 
     def stop_with_checkpoint(self):
@@ -4281,262 +4193,6 @@ class Trainer:
         return val_losses
 
 # ----------------------------------------------------------------------------------------------
-# Memory plan (--plan_memory): one training step and one validation forward of the run, traced with
-# fake tensors (shapes and dtypes, no data: no GPU is touched), counting every tensor storage while it lives
-
-CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
-# The share of --gpu_memory_gb a plan may fill: the rest is for the CUDA context, library workspaces,
-# communication buffers and the allocator's fragmentation, none of which the trace sees.
-PLAN_USABLE_FRACTION = 0.9
-PLAN_PIECE_STEP = ATTN_BLOCK  # --micro_batch_tokens values the plan searches: multiples of the attention tile
-GiB = 2 ** 30
-
-
-class LiveMemory(TorchDispatchMode):
-    """The bytes of the tensor storages alive and their peak, as an allocator's 'allocated' counter sees an
-    eager run: every storage an op creates while the mode is on (an output sharing no input's storage), and
-    every one passed to track(), counts until it dies (a storage keeps one Python object for its whole
-    life, so a weak reference to that object says when)."""
-
-    def __init__(self, block_bytes=CUDA_BLOCK_BYTES):
-        super().__init__()
-        self.block_bytes, self.live, self.peak, self._alive = block_bytes, 0, 0, {}
-
-    def track(self, tensor):
-        storage = tensor.untyped_storage()
-        ref = self._alive.get(id(storage))
-        if ref is not None and ref() is storage:
-            return
-        size = -(-storage.nbytes() // self.block_bytes) * self.block_bytes
-        self._alive[id(storage)] = weakref.ref(storage, functools.partial(self._free, id(storage), size))
-        self.live += size
-        self.peak = max(self.peak, self.live)
-
-    def _free(self, key, size, ref):
-        if self._alive.get(key) is ref:
-            del self._alive[key]
-            self.live -= size
-
-    def reset_peak(self):
-        self.peak = self.live
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:  # views and in-place ops
-                self.track(t)                                                          # make no storage
-        return out
-
-
-class FusedAttentionFootprint(torch.autograd.Function):
-    """The memory of a fused attention kernel (compiled FlexAttention, FlashAttention), which a trace cannot
-    see into: the forward keeps q, k, v, its output and a float32 log-sum-exp per query and head; the
-    backward makes the three gradients and a float32 term per query and head. No score matrix."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        out = torch.empty_like(q)
-        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:2], dtype=torch.float32))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        torch.empty_like(lse)  # the kernel's per-query term, freed when the backward returns
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-class PlannedAttention:
-    """FlexWindowAttention's memory for the plan; its block mask (a few n_tiles^2 int32) is left out."""
-
-    @staticmethod
-    def mask(docs, window_tokens):
-        return None
-
-    def __call__(self, q, k, v, mask, scale):
-        return FusedAttentionFootprint.apply(q, k, v)
-
-
-def plan_batch(hp, tokens, piece=False):
-    """A Batch of one document of `tokens` positions, with bigram ids if the model has a bigram embedding; as a
-    padded micro-step piece of that many positions (with its context, positions and loss mask) if `piece`."""
-    window = np.full(tokens + 1, BOS_ID)
-    bigram_ids = bigram_hash(window[:-1], hp.bigram_vocab_size) if hp.bigram_vocab_size else None
-    if piece:  # one position of context (its length does not change the memory), two targets after
-        return piece_inputs(window, [1, tokens], 1, tokens - PIECE_CONTEXT_AFTER, tokens, torch.device("cpu"),
-                            bigram_ids)
-    return model_inputs(window, [tokens], torch.device("cpu"), bigram_ids)
-
-
-def planned_model(hp, gpu_path, accum):
-    """The run's model (made under a FakeTensorMode: no memory): the GPU paths (fused attention's footprint;
-    the FP8 head unless --fp8 off) or, for --device cpu, the CPU path."""
-    model = new_model(hp)
-    if not gpu_path:
-        return use_cpu_fallbacks(model)
-    return use_gpu_paths(model, hp, hp.fp8 != "off", PlannedAttention(), accum)
-
-
-@contextlib.contextmanager
-def fake_world(world_size):
-    """This process as rank 0 of `world_size` ranks whose collectives do nothing (torch's fake process
-    group), so the optimizers shard their state as in the real run."""
-    if world_size == 1:
-        yield
-        return
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-class MemoryPlan:
-    """Rank 0's memory in one training step and one validation forward of a run of `world_size` processes:
-    `static` (parameters, gradients, each optimizer's state) from a traced first step, then each piece length
-    traced on demand (piece_figures). Everything runs on fake CPU tensors, so the CPU's kernels are chosen
-    where torch picks one by device (e.g. its fused attention for the CPU path's SDPA; the meta device would
-    take the unfused one); the GPU path's attention is FusedAttentionFootprint."""
-
-    def __init__(self, hp, world_size, gpu_path=True):
-        self.hp, self.world_size, self.gpu_path = hp, world_size, gpu_path
-        self.accum = grad_accum_steps(hp, world_size)
-        check_batch_splits(hp, world_size, self.accum)
-        last_step = hp.num_scheduled_iterations + hp.num_extension_iterations
-        self.windows = window_blocks_at(last_step, hp)
-        self.mtp_weights = torch.tensor(mtp_weights_at(last_step, hp)) if multi_token_prediction(hp) else None
-        self.fake, self.live = FakeTensorMode(), LiveMemory()
-        self._pieces = {}
-        with warnings.catch_warnings(), fake_world(world_size), self.fake, self.live:
-            self.model = planned_model(hp, gpu_path, self.accum)
-            warnings.simplefilter("ignore")  # deprecation notices of collectives that do nothing here
-            for t in [*self.model.parameters(), *self.model.buffers()]:
-                self.live.track(t)
-            self.static = {"parameters": self.live.live}
-            self.optimizers = make_optimizers(self.model, hp)
-            if isinstance(self.optimizers[0], NorMuon):  # Triton cannot run on fake tensors; same buffers
-                self.optimizers[0].polar = dict(GPU_POLAR_EXPRESS, use_triton=False) if gpu_path else CPU_POLAR_EXPRESS
-            self._run_piece(PLAN_PIECE_STEP)
-            self.static["gradients"] = sum(self._storage_bytes(p.grad) for p in self.model.parameters())
-            self.live.reset_peak()
-            for optimizer in self.optimizers:  # an odd step: both optimizers make their state
-                before = self.live.live
-                optimizer.step()
-                self.static[f"optimizer state {type(optimizer).__name__}"] = self.live.live - before
-            self.step_peak = self.live.peak
-            # the gradients stay: every piece after this one runs with all of them, as a micro-step after
-            # the first does (and DistAdam's gradients accumulate over two steps)
-
-    def _storage_bytes(self, tensor):
-        return -(-tensor.untyped_storage().nbytes() // self.live.block_bytes) * self.live.block_bytes
-
-    def _run_piece(self, tokens, training=True):
-        """One forward of `tokens` positions (and its backward in training) under the tracker: the bytes the
-        forward leaves alive, before and after the head ({"trunk": ..., "head": ...})."""
-        before, marks = self.live.live, {}
-        uncut = micro_step_pieces(dataclasses.replace(self.hp, micro_batch_tokens=0), self.world_size, self.accum)
-        batch = plan_batch(self.hp, tokens, piece=training and tokens not in dict(uncut))
-        batch = Batch(*(None if t is None else self.fake.from_tensor(t) for t in batch))
-        for t in batch:  # the batch is made for the piece
-            if t is not None:
-                self.live.track(t)
-        head_loss = self.model.head_loss
-
-        def head_loss_marked(*args):
-            marks["head"] = self.live.live
-            return head_loss(*args)
-
-        self.model.head_loss = head_loss_marked
-        self.model.train(training)
-        try:
-            with torch.set_grad_enabled(training):
-                mtp = None if self.mtp_weights is None or not training else self.fake.from_tensor(self.mtp_weights)
-                loss = self.model(batch.inputs, batch.targets, batch.cu_seqlens, self.windows, batch.bigram_ids, mtp,
-                                  batch.positions, batch.loss_mask)
-            kept = {"trunk": marks["head"] - before, "head": self.live.live - marks["head"]}
-            if training:
-                loss.backward()
-        finally:
-            self.model.head_loss = head_loss
-        return kept
-
-    def piece_figures(self, tokens):
-        """{"trunk", "head": bytes saved for the backward, "peak": the training step's peak} of a piece."""
-        if tokens not in self._pieces:
-            with self.fake, self.live:
-                self.live.reset_peak()
-                kept = self._run_piece(tokens)
-                self._pieces[tokens] = dict(kept, peak=max(self.live.peak, self.step_peak))
-        return self._pieces[tokens]
-
-    def validation_figures(self):
-        """(tokens per forward, the peak of a validation forward after an even step: the matrix optimizer's
-        gradients are gone (traced with them, then taken off), DistAdam's still accumulate)."""
-        tokens = tokens_per_rank(self.hp.val_batch_size, self.world_size, self.accum, what="--val_batch_size")
-        with self.fake, self.live:
-            self.live.reset_peak()
-            self._run_piece(tokens, training=False)
-        matrix_grads = sum(self._storage_bytes(p.grad) for group in self.optimizers[0].param_groups
-                           for p in group["params"])
-        return tokens, self.live.peak - matrix_grads
-
-    def largest_piece(self, micro_batch_tokens):
-        """The positions of the longest forward (a padded piece, or an uncut micro-step) of the run at that cap."""
-        hp = dataclasses.replace(self.hp, micro_batch_tokens=micro_batch_tokens)
-        return max(length for _, length in micro_step_pieces(hp, self.world_size, self.accum))
-
-    def largest_fitting_cap(self, budget_bytes, val_peak):
-        """The largest --micro_batch_tokens (a multiple of PLAN_PIECE_STEP) whose training peak (its padded
-        pieces) and val_peak stay within budget_bytes; 0 if the run fits uncut, None if none fits."""
-        longest = self.largest_piece(0)
-        if val_peak > budget_bytes or self.piece_figures(self.largest_piece(PLAN_PIECE_STEP))["peak"] > budget_bytes:
-            return None
-        if self.piece_figures(longest)["peak"] <= budget_bytes:
-            return 0
-        low, high = 1, -(-longest // PLAN_PIECE_STEP)  # multiples of PLAN_PIECE_STEP: low fits, high does not
-        while high - low > 1:
-            middle = (low + high) // 2
-            fits = self.piece_figures(self.largest_piece(middle * PLAN_PIECE_STEP))["peak"] <= budget_bytes
-            low, high = (middle, high) if fits else (low, middle)
-        return low * PLAN_PIECE_STEP
-
-
-def plan_report(hp, world_size):
-    """The lines --plan_memory prints; the last reads 'predicted peak per process: X GiB' (one GPU's, on GPUs)."""
-    gpu_path = hp.device != "cpu"
-    plan = MemoryPlan(hp, world_size, gpu_path)
-    pieces = micro_step_pieces(hp, world_size, plan.accum)
-    piece = plan.largest_piece(hp.micro_batch_tokens)
-    figures = plan.piece_figures(piece)
-    val_tokens, val_peak = plan.validation_figures()
-    paths = f"GPU paths ({'FP8' if hp.fp8 != 'off' else 'bf16'} head, fused attention)" if gpu_path else "CPU path"
-    lines = [f"memory plan (predicted: eager accounting, fake tensors) for rank 0 of {world_size} process(es), "
-             f"{paths}, {plan.accum} micro-step(s) per step of {describe_pieces(pieces)} tokens"]
-    rows = [*plan.static.items(), (f"activations saved, {piece:,}-token piece", figures["trunk"]),
-            (f"head logits saved, {piece:,}-token piece", figures["head"]), ("training peak", figures["peak"]),
-            (f"validation peak, {val_tokens:,}-token forward", val_peak)]
-    lines += [f"  {name:<44} {size / GiB:8.2f} GiB" for name, size in rows]
-    peak = max(figures["peak"], val_peak)
-    if gpu_path:
-        budget = hp.gpu_memory_gb * PLAN_USABLE_FRACTION * GiB
-        cap = plan.largest_fitting_cap(budget, val_peak)
-        fit = f"largest --micro_batch_tokens that fits --gpu_memory_gb {hp.gpu_memory_gb:g} ({budget / GiB:.1f} GiB usable): "
-        if cap is None:
-            fit += "none (the validation forward or the static memory alone does not fit; lower --val_batch_size or use more GPUs)"
-        elif cap == 0:
-            fit += "any: the run fits uncut (0)"
-        else:
-            cut = micro_step_pieces(dataclasses.replace(hp, micro_batch_tokens=cap), world_size, plan.accum)
-            cap_peak = plan.piece_figures(plan.largest_piece(cap))["peak"]
-            fit += f"{cap} (training peak {cap_peak / GiB:.2f} GiB; micro-steps of {describe_pieces(cut)})"
-        lines.append(fit)
-    lines.append(f"predicted peak per process: {peak / GiB:.2f} GiB")
-    return lines
-
-# ----------------------------------------------------------------------------------------------
 # main(): parse, train, and turn bad input into one line
 
 
@@ -4558,12 +4214,6 @@ def main(argv=None):
     with StopSignals() as stop, contextlib.ExitStack() as lifetime:
         try:
             hp = parse_args(argv)
-            if hp.plan_memory:  # before anything touches a GPU; under torchrun, rank 0 prints
-                place = process_place()
-                lines = plan_report(hp, place.world_size)
-                if place.rank == 0:
-                    print("\n".join(lines))
-                return None
             trainer = Trainer(hp, portable_argv(argv), stop, lifetime)
             return trainer.run()
         except Preempted as e:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import plan_memory as pm
 import train_gpt as tg
 from test_training import run_main
 
@@ -43,10 +44,10 @@ def tiny(corpus, log_dir, *extra, train=None, val=None):
             "--val_files", str(val or corpus / "synthetic_val_*.bin"), *map(str, extra)]
 
 
-def one_line_error(code, err, *needles):
+def one_line_error(code, err, *needles, prog="train_gpt.py"):
     lines = err.strip().splitlines()
     assert code == 2, (code, err)
-    assert len(lines) == 1 and lines[0].startswith("train_gpt.py: error:"), err
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error:"), err
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
     return lines[0]
@@ -133,17 +134,40 @@ ENVIRONMENT_CASES = [(variables, needle, plan) for variables, needle in BAD_ENVI
                      if not (plan and "TORCHELASTIC_MAX_RESTARTS" in variables)]  # (no plan reads restart settings)
 
 
+def run_plan(argv, capsys):
+    """tools/plan_memory.py's main in this process: (exit code, stderr)."""
+    capsys.readouterr()
+    try:
+        pm.main(list(map(str, argv)))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("variables,needle,plan", ENVIRONMENT_CASES,
-                         ids=[" ".join(f"{k}={v}" for k, v in e.items()) + (" --plan_memory" if plan else "")
+                         ids=[" ".join(f"{k}={v}" for k, v in e.items()) + (" plan_memory.py" if plan else "")
                               for e, _, plan in ENVIRONMENT_CASES])
 def test_a_bad_environment_variable_is_one_line_like_a_flag(corpus, tmp_path, capsys, monkeypatch, variables, needle,
                                                             plan):
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
-    result, code, err = run_main([*tiny(corpus, tmp_path), *(["--plan_memory"] if plan else [])], capsys)
-    assert result is None
-    one_line_error(code, err, f"the environment variable {needle}")
+    if plan:
+        code, err = run_plan(tiny(corpus, tmp_path), capsys)
+        one_line_error(code, err, f"the environment variable {needle}", prog="plan_memory.py")
+    else:
+        result, code, err = run_main(tiny(corpus, tmp_path), capsys)
+        assert result is None
+        one_line_error(code, err, f"the environment variable {needle}")
     assert not list(tmp_path.glob("*.txt"))
+
+
+@pytest.mark.parametrize("extra,needle", [(["--gpu_memory_gb", "0"], "--gpu_memory_gb must be positive, got 0.0"),
+                                          (["--gpu_memory_gb", "nan"], "--gpu_memory_gb must be positive, got nan"),
+                                          (["--num_layers", "4"], "--num_layers 4")])
+def test_plan_memory_refuses_bad_flags_in_one_line(corpus, tmp_path, capsys, extra, needle):
+    code, err = run_plan([*tiny(corpus, tmp_path), *extra], capsys)
+    one_line_error(code, err, needle, prog="plan_memory.py")
 
 
 @pytest.mark.slow

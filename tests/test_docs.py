@@ -1,32 +1,39 @@
 """The README's configuration table and --help are the Hyperparameters dataclass and its presets."""
 import re
+import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
-import train_gpt as tg
-from conftest import ROOT
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # also run as a script, to print the table
+import train_gpt as tg  # noqa: E402
 
 
 def _fmt(value):
     return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
-def test_readme_config_table_matches_dataclass():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    rows = {m.group(1): m for m in re.finditer(r"^\| `--(\w+)` \| `([^`]*)` \| (?:`([^`]*)`)? \| (?:`([^`]*)`)? \|",
-                                              readme, re.M)}
-    names = [f.name for f in fields(tg.Hyperparameters)]
-    assert sorted(rows) == sorted(names), "README table and Hyperparameters list different flags"
+def config_table():
+    """The README's configuration table, made from Hyperparameters, HP_SECTIONS and the cpu preset (print it
+    with `python tests/test_docs.py` after changing a field)."""
+    lines = ["| flag | default (the record) | `--preset cpu` | meaning |", "|---|---|---|---|"]
+    cpu = tg.PRESETS["cpu"]
     for f in fields(tg.Hyperparameters):
-        row = rows[f.name]
-        assert row.group(2) == _fmt(f.default), f"README default of --{f.name} is stale"
-        cpu, retie = tg.PRESETS["cpu"]["89"].get(f.name), tg.RECIPES["retie"].get(f.name)
-        assert row.group(3) == (None if cpu is None else _fmt(cpu)), f"README cpu preset value of --{f.name} is stale"
-        assert row.group(4) == (None if retie is None else _fmt(retie)), f"README retie value of --{f.name} is stale"
-    # what the README says of --preset cpu --recipe retie
-    assert tg.PRESETS["cpu"]["retie"] == dict(tg.CPU_COMMON, lr_multipliers=(1.0, 1.28, 1.52))
-    assert "`--preset cpu --recipe retie` is the previous `cpu` preset" in readme
+        if f.name in tg.HP_SECTIONS:
+            lines.append(f"| **{tg.HP_SECTIONS[f.name]}** | | | |")
+        preset = f"`{_fmt(cpu[f.name])}`" if f.name in cpu else ""
+        lines.append(f"| `--{f.name}` | `{_fmt(f.default)}` | {preset} | {f.metadata['help']} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_readme_config_table_is_the_dataclass():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = config_table()
+    assert table in readme, "README's configuration table is stale: paste the output of `python tests/test_docs.py`"
+    assert len(re.findall(r"^\| `--\w+` \|", readme, re.M)) == len(fields(tg.Hyperparameters))  # one table only
+    assert tg.PRESETS["record"] == {}
 
 
 def test_help_lists_every_field_with_default(capsys, monkeypatch):
@@ -56,3 +63,7 @@ def test_dockerfile_uses_the_ci_torch_and_a_lean_context():
     assert "TORCHINDUCTOR_CACHE_DIR=/speedrun/logs/" in docker  # the compile cache lives on the logs volume
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", "data/fineweb10B", "data/synthetic", "data/novels", "logs"} <= set(ignored)
+
+
+if __name__ == "__main__":
+    print(config_table(), end="")

@@ -1,4 +1,4 @@
-"""--plan_memory: its trace of the CPU path keeps exactly the bytes the CPU path saves for the backward; the
+"""tools/plan_memory.py: its trace of the CPU path keeps exactly the bytes the CPU path saves for the backward; the
 optimizer state shards over ranks; the largest fitting --micro_batch_tokens is the boundary of the fit; the
 command prints its figures and the last line without training or reading data. Slow: a fake-tensor trace of
 one training step takes a few seconds on 2 cores."""
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import plan_memory as pm
 import train_gpt as tg
 from test_training import tiny
 
@@ -34,28 +35,27 @@ def saved_for_backward(model, batch, windows, mtp, block_bytes):
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("recipe", ["89", "retie"])
 @pytest.mark.parametrize("tokens", [2050, 4096])
-def test_plan_keeps_what_the_cpu_path_saves(tokens, recipe):
+def test_plan_keeps_what_the_cpu_path_saves(tokens):
     """The cpu preset's model, on a padded piece of --micro_batch_tokens 1024 (2,050 positions) and an uncut
     micro-step of 4,096. Error model: what the plan counts as kept by a forward is what the CPU path
     saves for the backward, plus the batch and the loss (one 512-byte block), which a forward leaves alive
     without saving. Measured: exactly that, to the byte."""
-    hp = tg.parse_args(["--preset", "cpu", "--recipe", recipe])
-    plan = tg.MemoryPlan(hp, 1, gpu_path=False)
+    hp = tg.parse_args(["--preset", "cpu"])
+    plan = pm.MemoryPlan(hp, 1, gpu_path=False)
     figures = plan.piece_figures(tokens)
     torch.manual_seed(0)
     model = tg.build_model(hp, CPU)
-    batch = tg.plan_batch(hp, tokens, piece=tokens == tg.padded_piece_length(4096, 1024, hp.max_seq_len))
-    actual = saved_for_backward(model, batch, plan.windows, plan.mtp_weights, tg.CUDA_BLOCK_BYTES)
-    print(f"{recipe} {tokens} tokens: plan {figures['trunk'] + figures['head']:,} bytes, CPU path saves {actual:,} "
+    batch = pm.plan_batch(hp, tokens, piece=tokens == tg.padded_piece_length(4096, 1024, hp.max_seq_len))
+    actual = saved_for_backward(model, batch, plan.windows, plan.mtp_weights, pm.CUDA_BLOCK_BYTES)
+    print(f"{tokens} tokens: plan {figures['trunk'] + figures['head']:,} bytes, CPU path saves {actual:,} "
           f"with its batch")
-    assert figures["trunk"] + figures["head"] == actual + tg.CUDA_BLOCK_BYTES
+    assert figures["trunk"] + figures["head"] == actual + pm.CUDA_BLOCK_BYTES
 
 
 def test_optimizer_state_shards_over_ranks():
     hp = tg.parse_args(tiny(Path(".")) + ["--grad_accum_base", "4"])
-    one, four = tg.MemoryPlan(hp, 1), tg.MemoryPlan(hp, 4)
+    one, four = pm.MemoryPlan(hp, 1), pm.MemoryPlan(hp, 4)
     assert one.static["parameters"] == four.static["parameters"] and one.static["gradients"] == four.static["gradients"]
     for name in ("optimizer state NorMuon", "optimizer state DistAdam"):
         ratio = four.static[name] / one.static[name]
@@ -66,15 +66,15 @@ def test_optimizer_state_shards_over_ranks():
 
 def test_largest_fitting_cap_is_the_boundary():
     hp = tg.parse_args(tiny(Path(".")) + ["--batch_sizes", "4096", "4096", "4096"])
-    plan = tg.MemoryPlan(hp, 1)
+    plan = pm.MemoryPlan(hp, 1)
     _, val_peak = plan.validation_figures()
     uncut = plan.piece_figures(plan.largest_piece(0))["peak"]
-    smallest = plan.piece_figures(tg.PLAN_PIECE_STEP)["peak"]
+    smallest = plan.piece_figures(pm.PLAN_PIECE_STEP)["peak"]
     budget = (3 * smallest + uncut) // 4  # somewhere among the cuts
     cap = plan.largest_fitting_cap(budget, val_peak)
-    assert 0 < cap < 4096 and cap % tg.PLAN_PIECE_STEP == 0 and plan.largest_piece(cap) == cap + 448 + 2
+    assert 0 < cap < 4096 and cap % pm.PLAN_PIECE_STEP == 0 and plan.largest_piece(cap) == cap + 448 + 2
     assert plan.piece_figures(cap + 450)["peak"] <= budget
-    bigger = plan.largest_piece(cap + tg.PLAN_PIECE_STEP)
+    bigger = plan.largest_piece(cap + pm.PLAN_PIECE_STEP)
     assert plan.piece_figures(bigger)["peak"] > budget  # the next larger pieces do not fit
     assert plan.largest_fitting_cap(uncut, val_peak) == 0 and plan.largest_fitting_cap(smallest - 1, val_peak) is None
 
@@ -82,8 +82,8 @@ def test_largest_fitting_cap_is_the_boundary():
 def test_plan_memory_prints_and_exits_without_training(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    argv = tiny(tmp_path / "no_data_here") + ["--plan_memory", "--gpu_memory_gb", "0.05", "--device", "auto"]
-    assert tg.main(argv) is None
+    argv = tiny(tmp_path / "no_data_here") + ["--gpu_memory_gb", "0.05", "--device", "auto"]
+    assert pm.main(argv) is None
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("memory plan (predicted: eager accounting, fake tensors) for rank 0 of 2 process(es), GPU paths")
     for name in ("parameters", "gradients", "optimizer state NorMuon", "optimizer state DistAdam", "activations saved",

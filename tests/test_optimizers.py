@@ -179,15 +179,14 @@ class RefNorMuon:
         S = O / self.v.sqrt()
         # keep the Frobenius norm of each orthogonalized piece
         S = torch.cat([s * (o.norm() / s.norm()) for s, o in zip(S.split(rows // pieces), O.split(rows // pieces))])
-        eta = lr * math.sqrt(max(1.0, rows / cols)) * self.lr_mul
+        eta = lr * math.sqrt(max(1.0, rows / pieces / cols)) * self.lr_mul  # the shape of each piece
         mask = (S * self.p) >= 0
         self.p = self.p - eta * (wd * self.wd_mul * lr) * mask * self.p - eta * S
 
 
 class RefAdam:
     """One parameter, the reference's formula: eps on the uncorrected sqrt(v), bias corrections in
-    the step size, decay factor eff_lr^2 * wd * wd_mul; moments stored in bf16 between steps (the
-    reference's state dtype), the step computed from the unrounded new values."""
+    the step size, decay factor eff_lr^2 * wd * wd_mul where update x weight > 0; fp32 moments."""
 
     def __init__(self, p):
         self.p = p.detach().float().clone()
@@ -201,10 +200,10 @@ class RefAdam:
         self.t += 1
         m = b1 * self.m + (1 - b1) * grad
         v = b2 * self.v + (1 - b2) * grad.square()
-        self.m, self.v = m.bfloat16().float(), v.bfloat16().float()
+        self.m, self.v = m, v
         eta = lr * self.lr_mul
         u = m / (v.sqrt() + eps) * (math.sqrt(1 - b2 ** self.t) / (1 - b1 ** self.t))
-        mask = (u * self.p) >= 0
+        mask = (u * self.p) > 0
         self.p = self.p - eta * (wd * self.wd_mul * eta) * mask * self.p - eta * u
 
 
@@ -214,7 +213,7 @@ class RefAdam:
 def test_normuon_matches_single_matrix_reference():
     g = torch.Generator().manual_seed(3)
     params = [_param(g, (24, 8), "mlp", lr_mul=2.0),  # tall, shape multiplier sqrt(3)
-              _param(g, (4 * D, D), "attn"),  # 4 blocks of (D, D), multiplier 2
+              _param(g, (4 * D, D), "attn"),  # 4 blocks of (D, D), each of multiplier 1
               _param(g, (3, 12), "gate"),  # gate: per-row statistics although wide
               _param(g, (8, 24), "mlp")]  # wide: per-column statistics
     muon = tg.NorMuon(params, **MUON_HP)
@@ -229,7 +228,7 @@ def test_normuon_matches_single_matrix_reference():
         muon.step()
         muon.zero_grad()
         for p, ref in zip(params, refs):
-            eta = lr * math.sqrt(max(1.0, p.shape[0] / p.shape[1])) * p.lr_mul
+            eta = lr * math.sqrt(max(1.0, p.shape[0] / p.pieces / p.shape[1])) * p.lr_mul
             err = (p.double() - ref.p).abs().max().item()
             # fp32 implementation vs float64 reference: measured max error 6.2e-6 * eta (3 steps);
             # a wrong axis/coefficient/step size is O(0.1 * eta) or more.
@@ -281,7 +280,7 @@ def test_distadam_matches_reference_adam_and_steps_on_odd_steps_only():
                 assert torch.equal(p, b), f"Adam changed {p.label} on even step {step}"
             assert all(p.grad is not None for p in params)  # gradients kept for the odd step
     for group in adam.param_groups:
-        assert group["exp_avg"].dtype == torch.bfloat16 and group["exp_avg_sq"].dtype == torch.bfloat16
+        assert group["exp_avg"].dtype == torch.float32 and group["exp_avg_sq"].dtype == torch.float32
         assert group["step"] == STEPS // 2
 
 
@@ -295,7 +294,7 @@ def test_adam_update_with_tensor_betas_matches_float_betas():
     results = []
     for b1, b2 in (betas, [torch.tensor(beta, dtype=torch.float64) for beta in betas]):
         state = [t.clone() for t in (exp_avg, exp_avg_sq, grad, weight)]
-        new_weight = tg.adam_update_(*state, b1, b2, 1e-8, torch.tensor(0.01), torch.tensor(1e-4), False)
+        new_weight = tg.adam_update_(*state, b1, b2, 1e-8, torch.tensor(0.01), torch.tensor(1e-4))
         results.append((state[0], state[1], new_weight))
     eps = torch.finfo(torch.float32).eps
     (m, v, w), (m_t, v_t, w_t) = results
@@ -511,76 +510,70 @@ def _check_coverage(model, hp):
     model_ids = [id(p) for p in model.parameters()]
     assert sorted(id(p) for p in owned) == sorted(model_ids)  # every parameter exactly once
     assert len(set(map(id, owned))) == len(owned) == len(model_ids)
-    assert {p.label for g in muon.param_groups for p in g["params"]} <= {"attn", "mlp", "gate"}
-    assert [g["params"][0].label for g in adam.param_groups] == ["scalars", "lm_head"] + ["value_embed"] * 3  # model order
-    for g in muon.param_groups:
-        rows, cols = g["params"][0].shape
-        expected = [math.sqrt(max(1.0, rows / cols)) * p.lr_mul for p in g["params"]]
+    for g in muon.param_groups:  # sqrt(max(1, rows / cols)) of each orthogonalized piece, x the lr multiplier
+        expected = [math.sqrt(max(1.0, p.shape[0] / p.pieces / p.shape[1])) * p.lr_mul for p in g["params"]]
         if not g["lr_scale"].is_meta:
             assert g["lr_scale"][: len(expected)].tolist() == pytest.approx(expected)
     return muon, adam
 
 
 def test_optimizers_cover_record_model_exactly_once():
-    hp = tg.parse_args(["--recipe", "retie"])
+    hp = tg.parse_args([])
     with torch.device("meta"):
         model = tg.build_model(hp, torch.device("meta"))
     muon, adam = _check_coverage(model, hp)
-    big = [g for g in muon.param_groups if tuple(g["params"][0].shape) == (3072, 768)]
-    # 10 attention layers (one layer is attention-free) + 11 MLP fc + 11 MLP proj = 32, in two groups
-    # of 16 (one group communicates while the other computes): [10 attn + 6 mlp], [16 mlp]
-    assert [[p.label for p in g["params"]].count("attn") for g in big] == [10, 0]
-    assert [len(g["params"]) for g in big] == [16, 16]
-    assert sorted(p.lr_mul for g in big for p in g["params"]) == [1.0] * 21 + [2.0] * 11  # MLP proj lr_mul 2
-    assert [p.lr_mul for g in adam.param_groups for p in g["params"]] == [5.0, 1.0, 75.0, 75.0, 75.0]
-    assert adam.param_groups[0]["params"][0].wd_mul == 0.0  # the scalars
+    assert {p.label for g in muon.param_groups for p in g["params"]} == {"attn_qk", "attn_vo", "mlp"}  # gates: Adam
+    assert {p.label for g in adam.param_groups for p in g["params"]} == set(tg.ADAM_GROUPS)
+    mlp = [p for g in muon.param_groups for p in g["params"] if p.label == "mlp"]
+    # 11 MLP fc + 11 MLP proj (lr_mul 2); 10 attention layers (one layer is attention-free) of [Q; K] and [V; O]
+    assert sorted(p.lr_mul for p in mlp) == [1.0] * 11 + [2.0] * 11
+    assert [p.pieces for g in muon.param_groups for p in g["params"] if p.label == "attn_qk"] == [6] * 10  # head pairs
+    assert [p.pieces for g in muon.param_groups for p in g["params"] if p.label == "attn_vo"] == [2] * 10
+    scalars = [p for g in adam.param_groups for p in g["params"] if p.label == "scalars"]
+    assert len(scalars) == 1 and (scalars[0].lr_mul, scalars[0].wd_mul) == (5.0, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
-# Schedules of the retie recipe, expected values by hand (every step is compared
-# with re-implementations of the reference's functions in test_reference_recipe.py)
+# Schedules of the record, expected values by hand (every step is compared with re-implementations of the
+# reference's functions in test_reference_recipe_89.py)
 #
-# 1995 scheduled steps in thirds of 665: stage 0 = steps 0..664, 1 = 665..1329, 2 = 1330..1994;
-# extension = 1995..2034 (40 steps). The lr multiplier switches once progress s/1995 is strictly
-# past 1/3 and 2/3, i.e. at 666 and 1331 (one step after the batch size and window).
-# Cooldown over the last 55%: progress s/1995 >= 0.45, i.e. s >= 0.45 * 1995 = 897.75 (first: 898).
-# There the multiplier is w*m + (1-w)*0.1 = 0.1 + w*(m - 0.1) with w = (1 - s/1995)/0.55 = 20(1995-s)/21945:
-#   897:  1.51 (no cooldown yet)
-#   898:  w = 21940/21945 = 0.9997721, 0.1 + 1.41*0.9997721 = 1.5096787
-#   1329: w = 13320/21945 = 0.6069720, 0.1 + 1.41*0.6069720 = 0.9558305
-#   1330: w = 13300/21945 = 20/33     , 0.1 + 1.41*20/33       = 0.9545455 (still m = 1.51)
-#   1331: w = 13280/21945 = 0.6051492, 0.1 + 1.83*0.6051492 = 1.2074231
-#   1994: w = 20/21945    = 0.0009114, 0.1 + 1.83*0.0009114 = 0.1016678
-#   1995+: 0.1 (extension)
+# 1380 scheduled steps in thirds ending at round(1380/3) = 460 and round(2 x 1380/3) = 920: stage 0 = steps
+# 0..459, 1 = 460..919, 2 = 920..1379; extension = 1380..1389 (10 steps). The lr multiplier (1, 1.52, 1.73)
+# switches with the batch size and window. Cooldown over the last 60 %: from int(1380 x 0.4) = 552 over
+# 828 steps to 0.15, m (1 - t) + 0.15 t with t = (s - 552) / 828:
+#   551, 552: 1.52 (t = 0)
+#   553:  1.52 x 827/828 + 0.15 / 828 = 1.5183454
+#   919:  1.52 x 461/828 + 0.15 x 367/828 = 0.9127657
+#   920:  1.73 x 460/828 + 0.15 x 368/828 = 1.0277778
+#   1379: 1.73 / 828 + 0.15 x 827/828 = 0.1519082
+#   1380+: 0.15 (extension)
 # Windows (short, long) in blocks: short = long // 2 blocks.
-# Momentum: 0.85 -> 0.95 over steps 0..300 (0.85 + 0.1*s/300); back towards 0.85 over the last 50
-# steps, starting at 2035 - 50 = 1985: 0.95 - 0.1*(s - 1985)/50:
-#   1994: 0.95 - 0.1*9/50 = 0.932; 1995: 0.93; 2034: 0.95 - 0.1*49/50 = 0.852.
+# Momentum: 0.85 -> 0.95 over steps 0..300 (0.85 + 0.1 s / 300); back towards 0.85 over the last 50
+# steps, from 1390 - 50 = 1340: 0.95 - 0.1 (s - 1340) / 50:
+#   1379: 0.95 - 0.1 x 39/50 = 0.872; 1380: 0.87; 1389: 0.95 - 0.1 x 49/50 = 0.852.
 # Adam steps on odd steps.
 SCHEDULE_TABLE = [
     # step, stage, batch, windows, lr multiplier, momentum, adam steps
     (0, 0, 131072, (1, 3), 1.0, 0.85, False),
     (150, 0, 131072, (1, 3), 1.0, 0.90, False),
     (300, 0, 131072, (1, 3), 1.0, 0.95, False),
-    (664, 0, 131072, (1, 3), 1.0, 0.95, False),
-    (665, 1, 262144, (3, 7), 1.0, 0.95, True),
-    (666, 1, 262144, (3, 7), 1.51, 0.95, False),
-    (897, 1, 262144, (3, 7), 1.51, 0.95, True),
-    (898, 1, 262144, (3, 7), 0.1 + 1.41 * 21940 / 21945, 0.95, False),
-    (1329, 1, 262144, (3, 7), 0.1 + 1.41 * 13320 / 21945, 0.95, True),
-    (1330, 2, 393216, (5, 11), 0.1 + 1.41 * 20 / 33, 0.95, False),
-    (1331, 2, 393216, (5, 11), 0.1 + 1.83 * 13280 / 21945, 0.95, True),
-    (1985, 2, 393216, (5, 11), 0.1 + 1.83 * 200 / 21945, 0.95, True),
-    (1994, 2, 393216, (5, 11), 0.1 + 1.83 * 20 / 21945, 0.932, False),
-    (1995, 3, 393216, (6, 13), 0.1, 0.93, True),
-    (2034, 3, 393216, (6, 13), 0.1, 0.852, False),
+    (459, 0, 131072, (1, 3), 1.0, 0.95, True),
+    (460, 1, 262144, (3, 7), 1.52, 0.95, False),
+    (552, 1, 262144, (3, 7), 1.52, 0.95, False),
+    (553, 1, 262144, (3, 7), 1.52 * 827 / 828 + 0.15 / 828, 0.95, True),
+    (919, 1, 262144, (3, 7), 1.52 * 461 / 828 + 0.15 * 367 / 828, 0.95, True),
+    (920, 2, 393216, (5, 11), 1.73 * 460 / 828 + 0.15 * 368 / 828, 0.95, False),
+    (1340, 2, 393216, (5, 11), 1.73 * 40 / 828 + 0.15 * 788 / 828, 0.95, False),
+    (1379, 2, 393216, (5, 11), 1.73 / 828 + 0.15 * 827 / 828, 0.872, True),
+    (1380, 3, 393216, (6, 13), 0.15, 0.87, False),
+    (1389, 3, 393216, (6, 13), 0.15, 0.852, True),
 ]
 
 
 @pytest.mark.parametrize("row", SCHEDULE_TABLE, ids=[f"step{r[0]}" for r in SCHEDULE_TABLE])
 def test_record_schedule_table(row):
     step, stage, batch, windows, lr_mul, momentum, adam = row
-    hp = tg.parse_args(["--recipe", "retie"])
+    hp = tg.parse_args([])
     assert tg.stage_at(step, hp) == stage
     assert tg.batch_size_at(step, hp) == batch
     assert tg.window_blocks_at(step, hp) == windows
@@ -590,12 +583,11 @@ def test_record_schedule_table(row):
 
 
 def test_record_schedule_spot_values():
-    hp = tg.parse_args(["--recipe", "retie"])
+    hp = tg.parse_args([])
     # the hand-derived cooldown values above, as decimals
-    assert tg.lr_multiplier_at(898, hp) == pytest.approx(1.5096787, abs=1e-7)
-    assert tg.lr_multiplier_at(1329, hp) == pytest.approx(0.9558305, abs=1e-7)
-    assert tg.lr_multiplier_at(1330, hp) == pytest.approx(0.9545455, abs=1e-7)
-    assert tg.lr_multiplier_at(1331, hp) == pytest.approx(1.2074231, abs=1e-7)
-    assert tg.lr_multiplier_at(1994, hp) == pytest.approx(0.1016678, abs=1e-7)
-    assert tg.stage_first_steps(hp) == [0, 665, 1330, 1995]
-    assert hp.num_scheduled_iterations + hp.num_extension_iterations == 2035
+    assert tg.lr_multiplier_at(553, hp) == pytest.approx(1.5183454, abs=1e-7)
+    assert tg.lr_multiplier_at(919, hp) == pytest.approx(0.9127657, abs=1e-7)
+    assert tg.lr_multiplier_at(920, hp) == pytest.approx(1.0277778, abs=1e-7)
+    assert tg.lr_multiplier_at(1379, hp) == pytest.approx(0.1519082, abs=1e-7)
+    assert tg.stage_first_steps(hp) == [0, 460, 920, 1380]
+    assert [(s.first_step, s.end_step) for s in tg.stages(hp)] == [(0, 460), (460, 920), (920, 1380), (1380, 1390)]

@@ -780,3 +780,54 @@ def test_extract_and_replay_real_trainer_log(tmp_path):
     assert rec.recorded_args(rec.read_log(new), new) == TRAIN_ARGS
     assert rec.parse_log(new).complete
     assert not list(tmp_path.glob(".replay_*.py"))
+
+
+# --------------------------------------------------------------------------- with a record's frozen script
+
+REFERENCE_FIDELITY_LOG = (REPO / "records" / "track_cpu" / "2026-11-29_ReferenceFidelity"
+                          / "02b30626-776f-47d3-a45a-3c3ca3310156.txt")
+# The record's recorded arguments (cpu preset, seed 2, novels shards) shrunk to seconds: a tiny corpus
+# under the working folder, 4 steps of 512 tokens, 1,024 validation tokens, one torch thread.
+FROZEN_OVERRIDES = ["--train_files", "data/synthetic_train_*.bin", "--val_files", "data/synthetic_val_*.bin",
+                    *TRAIN_ARGS[2:], "--cpu_threads", "1", "--log_dir", "logs_a", "--run_id", "a"]
+
+
+def cpu_only_env():
+    """The environment with no GPU visible, so that both runs take the same (CPU) path."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def tiny_corpus(folder, module):
+    """Shards of the frozen script's synthetic corpus, small enough for a few steps."""
+    module.synthetic_corpus(folder, seed=0, train_tokens=65_536, val_tokens=4_096)
+
+
+@pytest.mark.slow
+def test_replay_of_a_frozen_record_script_reproduces_its_val_losses(tmp_path):
+    """The ReferenceFidelity record's script, run with its recorded arguments plus few-step overrides on
+    a tiny corpus, writes log A; `records.py replay A` (a new --log_dir only) gets A's val losses exactly."""
+    from frozen_scripts import load_record_script
+
+    frozen = load_record_script(REFERENCE_FIDELITY_LOG, "frozen_reference_fidelity")
+    tiny_corpus(tmp_path / "data", frozen)
+    parts = rec.read_log(REFERENCE_FIDELITY_LOG)
+    assert rec.verify_script(REFERENCE_FIDELITY_LOG, parts)
+    (tmp_path / "train_gpt.py").write_bytes(parts.script)
+    args = rec.replay_args(rec.recorded_args(parts, REFERENCE_FIDELITY_LOG), FROZEN_OVERRIDES)
+    r = subprocess.run([sys.executable, "train_gpt.py", *args], cwd=tmp_path, env=cpu_only_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log_a = tmp_path / "logs_a" / "a.txt"
+    assert rec.verify_script(log_a) and rec.extract_script_bytes(log_a) == parts.script
+    run_a = rec.parse_log(log_a)
+    assert run_a.complete and run_a.val_steps == [0, 2, 4]
+
+    r = subprocess.run([sys.executable, str(RECORDS_PY), "replay", "--nproc", "0", "--dir", str(tmp_path),
+                        str(log_a), "--", "--log_dir", "logs_b"], cwd=tmp_path, env=cpu_only_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (log_b,) = (tmp_path / "logs_b").glob("*.txt")
+    assert rec.recorded_args(rec.read_log(log_b), log_b) == [*args[:-2], "--log_dir", "logs_b"]
+    run_b = rec.parse_log(log_b)
+    assert (run_b.val_steps, run_b.val_losses) == (run_a.val_steps, run_a.val_losses)
+    assert not list(tmp_path.glob(".replay_*.py"))

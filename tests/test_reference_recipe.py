@@ -1,6 +1,8 @@
-"""The record preset computes the reference recipe's function (modded-nanogpt record
-2025-12-19_RetieLMHead), checked against plain re-implementations written here from the reference
-script, independently of train_gpt.py:
+"""The 2025-12-19 RetieLMHead recipe (modded-nanogpt record 2025-12-19_RetieLMHead) as frozen in the
+snapshot of records/track_cpu/2026-11-29_ReferenceFidelity/ (the script its logs start with; the live
+train_gpt.py holds only the current recipe): its record preset computes the reference recipe's
+function, checked against plain re-implementations written here from the reference script,
+independently of the trainer:
 
 - the schedules (lr multiplier, batch size, windows, momentum) at every step 0..2034, compared
   exactly (the reference's float expressions give bit-identical values);
@@ -18,7 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import train_gpt as tg
+from frozen_scripts import REPO, load_record_script
+
+RECORD_LOG = REPO / "records/track_cpu/2026-11-29_ReferenceFidelity/02b30626-776f-47d3-a45a-3c3ca3310156.txt"
+tg = load_record_script(RECORD_LOG, "frozen_reference_fidelity")  # the script the record ran
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -73,7 +78,7 @@ def ref_get_momentum(step, warmup=300, cooldown=50, low=0.85, high=0.95):
 
 
 def test_record_schedules_match_the_reference_at_every_step():
-    hp = tg.parse_args(["--recipe", "retie"])
+    hp = tg.parse_args([])
     assert hp.num_scheduled_iterations + hp.num_extension_iterations == N_TOTAL
     mismatches = []
     for step in range(N_TOTAL):
@@ -103,7 +108,7 @@ WINDOW_TOKENS = [  # (stage first step, short tokens, long tokens): 1, 3, 5, 6 b
 
 @pytest.mark.parametrize("step,short,long", WINDOW_TOKENS)
 def test_window_tokens_per_stage(step, short, long):
-    hp = tg.parse_args(["--recipe", "retie"])
+    hp = tg.parse_args([])
     blocks = tg.window_blocks_at(step, hp)
     assert (blocks[0] * hp.window_block_tokens, blocks[1] * hp.window_block_tokens) == (short, long)
     assert blocks == ref_get_ws(step)
@@ -111,7 +116,7 @@ def test_window_tokens_per_stage(step, short, long):
 
 def test_final_validation_windows():
     """Only the long window widens (20 blocks); the short one stays at the extension's 6 blocks."""
-    hp = tg.parse_args(["--recipe", "retie"])
+    hp = tg.parse_args([])
     short, long = tg.final_window_blocks(hp)
     assert (short * 128, long * 128) == (768, 2560)
     assert (short, long) == (ref_get_ws(N_TOTAL)[0], WS_VALIDATE_POST_YARN)
@@ -282,7 +287,7 @@ def randomized_model(seed=0):
     """Our model with every weight random and non-zero (zero-initialized O, MLP projections, value
     embeddings, gates and the smear/x0 lambdas would hide most of what is compared)."""
     torch.manual_seed(seed)
-    model = tg.use_cpu_fallbacks(tg.RetieGPT(VOCAB, LAYERS, HEADS, HEAD_DIM, DIM, window_block_tokens=BLOCK))
+    model = tg.use_cpu_fallbacks(tg.GPT(VOCAB, LAYERS, HEADS, HEAD_DIM, DIM, window_block_tokens=BLOCK))
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -312,7 +317,7 @@ def packed_batch(seed=0, T=512):
 
 def stage_windows():
     """[(label, (short, long) blocks, YaRN transition before it)] of the record schedule, in order."""
-    hp = tg.parse_args(["--recipe", "retie"])
+    hp = tg.parse_args([])
     stages, previous = [], None
     for step in tg.stage_first_steps(hp):
         blocks = tg.window_blocks_at(step, hp)

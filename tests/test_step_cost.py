@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import step_cost as sc
+import plan_memory as pm
 import train_gpt as tg
 from test_training import tiny
 
@@ -79,12 +80,12 @@ def test_forward_keeps_the_memory_plans_bytes():
     alive after it, with the piece's batch, are the bytes the memory plan counts as kept (its trunk and
     head), to the byte."""
     hp = tiny_hp()
-    plan = tg.MemoryPlan(hp, 1, gpu_path=True)
+    plan = pm.MemoryPlan(hp, 1, gpu_path=True)
     figures = plan.piece_figures(512)
     last_step = hp.num_scheduled_iterations + hp.num_extension_iterations
     ledger = traced_piece(hp, 512, last_step)
-    block = tg.CUDA_BLOCK_BYTES
-    batch = sum(-(-t.untyped_storage().nbytes() // block) * block for t in tg.plan_batch(hp, 512) if t is not None)
+    block = pm.CUDA_BLOCK_BYTES
+    batch = sum(-(-t.untyped_storage().nbytes() // block) * block for t in pm.plan_batch(hp, 512) if t is not None)
     print("plan", figures["trunk"] + figures["head"], "ledger", ledger.kept_bytes("forward"), "batch", batch)
     assert ledger.kept_bytes("forward") + batch == figures["trunk"] + figures["head"]
 
@@ -111,16 +112,16 @@ def test_record_step_matmul_flops_are_the_analytic_count():
     expected = 6 * tokens * per_token
     print(f"matmul FLOPs: traced {traced:.4e}, analytic {expected:.4e}, ratio {traced / expected:.4f}")
     assert abs(traced / expected - 1) < 0.01
-    short, long = tg.window_blocks_at(tg.stage_span(2, hp)[0], hp)
+    short, long = tg.window_blocks_at(tg.stages(hp)[2].first_step, hp)
     model = tg.new_model(hp)
     tile_flops = 4 * tg.ATTN_BLOCK ** 2 * hp.head_dim * hp.num_heads  # a paired layer: twice the tiles, half the heads
     attention = 0
-    for i, layer in enumerate(model.layers):
+    for i, plan in enumerate(model.plan):
         if i == model.roles.attn_free:
             continue
         blocks = long if i in model.roles.long_window else short
-        stream = 2 * tokens if layer.paired else tokens
-        attention += analytic_visible_tiles(stream, blocks) * tile_flops // (2 if layer.paired else 1)
+        stream = 2 * tokens if plan.paired else tokens
+        attention += analytic_visible_tiles(stream, blocks) * tile_flops // (2 if plan.paired else 1)
     traced_attention = sum(op.flops * w for op, w in cost.ops if op.kind == "attention")
     print(f"attention FLOPs: traced {traced_attention:.4e}, analytic {3.5 * attention:.4e}")
     assert traced_attention == 3.5 * attention

@@ -50,14 +50,13 @@ def pieces_of(window, lengths, cap, bigram_rows, max_seq_len):
 
 @contextlib.contextmanager
 def key_shift_closed(model):
-    shifting = [layer for layer in getattr(model, "layers", []) if layer.key_shift]
-    for layer in shifting:
-        layer.key_shift = False
+    """The model with no layer's key shift (its LayerPlans changed for the duration)."""
+    plan = model.plan
+    model.plan = [layer._replace(key_shift=False) for layer in plan]
     try:
         yield
     finally:
-        for layer in shifting:
-            layer.key_shift = True
+        model.plan = plan
 
 
 def main(argv=None):
@@ -68,7 +67,7 @@ def main(argv=None):
     parser.add_argument("--micro_steps", type=int, default=8, help="micro-steps to average over (default: 8)")
     args = parser.parse_args(argv)
     snap = tg.load_checkpoint(args.checkpoint)
-    hp = checkpoint_hyperparameters(snap)
+    hp = checkpoint_hyperparameters(args.checkpoint, snap)
     model = load_model(args.checkpoint, snap, hp, torch.device("cpu")).train()
     step, rows_bigram = snap["step"], hp.bigram_vocab_size
     windows = tg.window_blocks_at(step, hp)

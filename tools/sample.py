@@ -6,7 +6,7 @@
 
 Any checkpoint of this trainer loads, whatever number of processes wrote it (a checkpoint holds the full
 model; only its model state is read, see load_model_state). The model runs its own forward (through
-train_gpt.next_token_logits) with the attention windows and YaRN state of the checkpoint's step, on the
+GPT.logits) with the attention windows and YaRN state of the checkpoint's step, on the
 CPU path's attention (tiled SDPA, any device); generation is incremental (IncrementalModel: each position
 runs once, earlier keys and values cached), on --cpu_threads threads (default 1).
 Sampling is deterministic for a --seed on a given device; the text goes to stdout, tokens/s to stderr.
@@ -149,13 +149,15 @@ def load_model_state(path):
     return snap
 
 
-def checkpoint_hyperparameters(snap):
-    """The checkpoint's Hyperparameters. Fields an older script did not have keep their defaults, those of
-    the retie recipe for a script from before --recipe (which had only that model)."""
+def checkpoint_hyperparameters(path, snap):
+    """The checkpoint's Hyperparameters; fields an older script did not have keep their defaults. A checkpoint
+    of the previous recipe (RetieLMHead: saved with recipe "retie", or by a script from before recipe 89, which
+    had no MUDD) is refused."""
     saved = snap["hyperparameters"]
+    if saved.get("recipe") == "retie" or "mudd_dim" not in saved:
+        raise tg.DataError(f"{path}: written by the RetieLMHead recipe, which this train_gpt.py no longer has; "
+                           f"sample it with the script of its run (python records/records.py extract LOG)")
     values = tg.dataclasses.asdict(tg.Hyperparameters())
-    if "recipe" not in saved:
-        values.update(tg.RECIPES["retie"], recipe="retie")
     known = set(values)
     values.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in known})
     return tg.Hyperparameters(**values)
@@ -273,7 +275,7 @@ class IncrementalModel:
         model.attention, model.rotary.cos_sin, tg.shift_keys = self.attention, self.cos_sin, self.shift_keys
         self.attention.layer = self.shift_layer = 0
         try:
-            logits = tg.next_token_logits(model, batch, self.windows)
+            logits = model.logits(batch.inputs, batch.cu_seqlens, self.windows, batch.bigram_ids, last_only=True)[0]
         finally:
             (model.attention, _), tg.shift_keys = own, self.real_shift_keys
             del model.rotary.cos_sin  # (the instance attribute: the class's method again)
@@ -358,7 +360,7 @@ def main(argv=None, enc=None):
             enc = fineweb.load_encoding(args.bpe)
         torch.set_num_threads(args.cpu_threads)
         snap = load_model_state(args.checkpoint)
-        hp = checkpoint_hyperparameters(snap)
+        hp = checkpoint_hyperparameters(args.checkpoint, snap)
         if args.eval is not None:
             return evaluate(args, snap, hp, device)
         return sample(args, enc, snap, hp, device, started)

@@ -25,6 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import plan_memory
 import train_gpt as tg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -293,7 +294,7 @@ def optimizer_compiles(argv):
 
     with warnings.catch_warnings(), FakeTensorMode():
         warnings.simplefilter("ignore")
-        model = tg.planned_model(hp, True, tg.grad_accum_steps(hp, 1))
+        model = plan_memory.planned_model(hp, True, tg.grad_accum_steps(hp, 1))
         matrix_opt, adam = tg.make_optimizers(model, hp, compile_math=True)  # the compiled path's arguments
         adam.math = recording(tg.adam_update_, adam_keys)
         if isinstance(matrix_opt, tg.NorMuon):
@@ -641,10 +642,10 @@ class RecordRun:
                 f"fits an 80 GB H100")
 
     def check_memory_plan(self):
-        """--plan_memory's prediction (eager accounting, meant as an upper bound of the compiled run) against
+        """tools/plan_memory.py's prediction (eager accounting, meant as an upper bound of the compiled run) against
         the timed loop's measured peaks."""
         loop, hp = self.timed_loop(), self.hp
-        plan = tg.MemoryPlan(hp, 1)
+        plan = plan_memory.MemoryPlan(hp, 1)
         predicted = plan.piece_figures(plan.largest_piece(hp.micro_batch_tokens))["peak"]
         _, predicted_eval = plan.validation_figures()
         line = (f"training: predicted {predicted / 2**30:.2f} GiB, measured {loop.train_peak_bytes / 2**30:.2f} GiB "

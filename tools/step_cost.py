@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt as tg  # noqa: E402
-from train_gpt import LiveMemory, fake_world, plan_batch, planned_model  # noqa: E402
+from plan_memory import PLAN_PIECE_STEP, LiveMemory, fake_world, plan_batch, planned_model  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils.flop_counter import (FlopCounterMode, register_flop_formula, sdpa_backward_flop_count,  # noqa: E402
                                       sdpa_flop_count)
@@ -378,14 +378,14 @@ def stage_costs(hp, world_size, peaks, stages=range(4)):
     with fake_world(world_size), fake:
         model, optimizers, accum = trace_setup(hp, world_size, ledger)
         untie_at = tg.untie_step(hp)
-        trace_piece(hp, model, fake, ledger, tg.PLAN_PIECE_STEP, 1)  # state made by an untraced first step
+        trace_piece(hp, model, fake, ledger, PLAN_PIECE_STEP, 1)  # state made by an untraced first step
         trace_optimizer_step(model, optimizers, 1, ledger, traced=False)
         for stage in stages:
-            first, following = tg.stage_span(stage, hp)
+            first, following = tg.stages(hp)[stage].first_step, tg.stages(hp)[stage].end_step
             if following <= first:
                 continue
             tokens = tg.tokens_per_rank(tg.batch_size_at(first, hp), world_size, accum)
-            length = tg.padded_piece_length(tokens, hp.micro_batch_tokens, tg.max_seq_len_at(first, hp))
+            length = tg.padded_piece_length(tokens, tg.piece_cap(hp), tg.max_seq_len_at(first, hp))
             # pieces of whole documents: at least ceil(tokens / N) of them (how many more depends on the data)
             count = 1 if length == tokens else -(-tokens // hp.micro_batch_tokens)
             start = len(ledger.ops)
