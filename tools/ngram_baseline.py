@@ -30,7 +30,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "data")]
 import numpy as np  # noqa: E402
 
 from shards import CliParser, exit_with_error  # noqa: E402
-from train_gpt import GPT2_VOCAB_SIZE, DataError, read_shard, read_validation_tokens  # noqa: E402
+from train_gpt import (BIGRAM_PRIOR_DISCOUNT, GPT2_VOCAB_SIZE, DataError, count_bigrams, read_shard,  # noqa: E402
+                       read_validation_tokens)
 
 PROG = "ngram_baseline.py"
 
@@ -41,7 +42,9 @@ def build_parser():
     parser.add_argument("--val", required=True, metavar="GLOB", help="validation shards (as train_gpt's --val_files)")
     parser.add_argument("--val_tokens", type=int, default=65536,
                         help="validation tokens scored, as train_gpt's --val_tokens (default: 65536)")
-    parser.add_argument("--discount", type=float, default=0.75, help="the bigram model's discount d (default: 0.75)")
+    parser.add_argument("--discount", type=float, default=BIGRAM_PRIOR_DISCOUNT,
+                        help=f"the bigram model's discount d (default: {BIGRAM_PRIOR_DISCOUNT}, as in train_gpt's "
+                             f"--bigram_prior)")
     parser.add_argument("--vocab_size", type=int, default=GPT2_VOCAB_SIZE,
                         help=f"ids the unigram is smoothed over (default: {GPT2_VOCAB_SIZE})")
     return parser
@@ -57,17 +60,11 @@ def check_args(args):
 
 
 class CountModel:
-    """Unigram and bigram counts of token streams; pairs are keyed v * vocab + w."""
+    """Unigram and bigram probabilities from train_gpt.count_bigrams (pairs keyed v * vocab + w)."""
 
     def __init__(self, streams, vocab_size):
         self.vocab_size = vocab_size
-        self.unigrams = np.zeros(vocab_size, dtype=np.int64)
-        keys = []
-        for tokens in streams:
-            tokens = tokens.astype(np.int64)
-            self.unigrams += np.bincount(tokens, minlength=vocab_size)
-            keys.append(tokens[:-1] * vocab_size + tokens[1:])
-        self.pairs, self.pair_counts = np.unique(np.concatenate(keys), return_counts=True)
+        self.unigrams, self.pairs, self.pair_counts = count_bigrams(streams, vocab_size)
         contexts = self.pairs // vocab_size
         self.context_counts = np.bincount(contexts, weights=self.pair_counts, minlength=vocab_size)
         self.successors = np.bincount(contexts, minlength=vocab_size)

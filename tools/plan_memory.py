@@ -198,7 +198,7 @@ class MemoryPlan:
             mtp = None if self.mtp_weights is None or not training else self.fake.from_tensor(self.mtp_weights)
             x = self.model.trunk(batch.inputs, batch.cu_seqlens, self.windows, batch.bigram_ids, batch.positions)
             at_head = self.live.live
-            loss = self.model.loss(x, batch.targets, mtp, batch.loss_mask)
+            loss = self.model.loss(x, batch.inputs, batch.targets, mtp, batch.loss_mask)
         kept = {"trunk": at_head - before, "head": self.live.live - at_head}
         if training:
             loss.backward()

@@ -164,8 +164,8 @@ def checkpoint_hyperparameters(path, snap):
 
 
 def load_model(path, snap, hp, device):
-    """The checkpoint's model in eval mode, fp32, with the CPU path's attention (any device) and the rotary
-    state (YaRN) of the checkpoint's step."""
+    """The checkpoint's model in eval mode, fp32, with the CPU path's attention (any device), the rotary state
+    (YaRN) of the checkpoint's step and, under --bigram_prior, the prior of its training shards."""
     model = tg.use_cpu_fallbacks(tg.new_model(hp))
     try:
         model.load_state_dict(snap["model"])
@@ -173,6 +173,13 @@ def load_model(path, snap, hp, device):
         raise tg.DataError(f"{path}: its model state does not fit the model its settings describe "
                            f"({str(e).splitlines()[0][:120]}); was it written by another version of train_gpt.py?")
     model.rotary.follow_window(tg.window_blocks_at(snap["step"], hp)[1] * hp.window_block_tokens)
+    if hp.bigram_prior:  # not model state: counted again from the run's training shards, as the trainer did
+        files = snap["loader"]["files"]
+        gone = [name for name in files if not Path(name).is_file()]
+        if gone:
+            raise tg.DataError(f"{path}: its model adds --bigram_prior {hp.bigram_prior:g}, counted from its training "
+                               f"shards, and {gone[0]} is not there; run from the folder the training ran in")
+        model.bigram_prior = tg.count_bigram_prior(hp, files, model.lm_head.weight.size(0))
     return model.to(device).eval()
 
 
