@@ -347,8 +347,8 @@ def test_read_only_log_dir(corpus, tmp_path, capsys, monkeypatch):
 def test_non_finite_validation_loss_fails_the_run(corpus, tmp_path, capsys, monkeypatch):
     real = tg.chunked_softcap_cross_entropy
 
-    def nan_in_eval(x, weight, targets, training, *args):
-        loss = real(x, weight, targets, training, *args)
+    def nan_in_eval(x, weight, targets, training, *args, **kwargs):
+        loss = real(x, weight, targets, training, *args, **kwargs)
         return loss if training else loss * float("nan")
 
     monkeypatch.setattr(tg, "chunked_softcap_cross_entropy", nan_in_eval)

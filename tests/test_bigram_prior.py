@@ -1,12 +1,15 @@
 """--bigram_prior: the prior's rows are the count model's log P(. | v), the chunked CPU loss with the prior
 equals autograd through the dense biased logits, weight 0 is the plain loss exactly, the prior stays out
 of the model's state, and the GPU path refuses the flag in one line."""
+import glob
+
 import numpy as np
 import pytest
 import torch
 
 import ngram_baseline as nb
 import train_gpt as tg
+from test_training import corpus, tiny  # noqa: F401 (corpus: a fixture)
 
 VOCAB, COLUMNS = 7, 9  # two padding columns, as the head pads the vocabulary
 
@@ -121,3 +124,32 @@ def test_gpu_path_refuses_the_prior_in_one_line():
     assert str(error.value).startswith("--bigram_prior needs the CPU loss path") and "\n" not in str(error.value)
     with pytest.raises(tg.ConfigError, match="--bigram_prior must be >= 0"):
         tg.parse_args(["--bigram_prior", "-1"])
+
+
+@pytest.mark.slow
+def test_a_run_with_the_prior_counts_on_the_clock_resumes_exactly_and_samples_with_it(corpus, tmp_path, capsys):
+    """The trainer counts the training shards at the start (one log line), starts near the count model's
+    validation loss, continues exactly after a resume (the prior is counted again, not loaded), and
+    tools/sample.py's --eval of the final checkpoint, which counts the prior from the checkpoint's shards, is
+    the log's last validation loss."""
+    import sample
+    common = [*tiny(corpus, "--bigram_prior", 1), "--num_scheduled_iterations", 4, "--num_extension_iterations", 0,
+              "--val_loss_every", 2, "--save_every", 2, "--save_checkpoint", "true", "--log_dir", tmp_path]
+    whole = tg.main(list(map(str, [*common, "--run_id", "whole"])))
+    resumed = tg.main(list(map(str, [*common, "--run_id", "resumed", "--resume",
+                                     tmp_path / "checkpoints" / "whole" / "step_000002.pt"])))
+    assert resumed == whole[1:]  # (step, val loss) pairs from step 2 on, to the last digit
+    log = (tmp_path / "whole.txt").read_text()
+    counted = [line for line in log.splitlines() if line.startswith("bigram prior: counted ")]
+    assert len(counted) == 1 and "training tokens" in counted[0], counted
+    files = sorted(glob.glob(str(corpus / "synthetic_train_*.bin")))
+    count_model = nb.CountModel([tg.read_shard(f) for f in files], tg.GPT2_VOCAB_SIZE)
+    val = tg.read_validation_tokens(str(corpus / "synthetic_val_*.bin"), 1024 + 1).astype(np.int64)
+    count_loss = -np.log(count_model.bigram_prob(val[:-1], val[1:], tg.BIGRAM_PRIOR_DISCOUNT)).mean()
+    # the fresh network's softcapped logits are near-uniform, so the step-0 loss is the count model's (measured
+    # on novels: 5.3938 against 5.3895); an untrained model without the prior starts at ln(50304) = 10.8
+    assert abs(whole[0][1] - count_loss) < 0.05, (whole[0], count_loss)
+    capsys.readouterr()
+    sample.main(list(map(str, [tmp_path / "checkpoints" / "whole" / "final.pt", "--eval",
+                               corpus / "synthetic_val_*.bin"])))
+    assert capsys.readouterr().out.startswith(f"val_loss:{whole[-1][1]:.4f} over 1,024 tokens of ")

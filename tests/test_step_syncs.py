@@ -180,7 +180,8 @@ def test_gpu_smoke_deadline_skips_what_would_end_past_it():
     for line in lines:
         m = DEADLINE_LINE.match(line)
         if m:
-            assert int(m[2]) + int(m[3]) > int(m[4]) == 20, line
+            # (each figure is printed rounded to a whole second: the sum may be 1 s off)
+            assert int(m[2]) + int(m[3]) + 1 > int(m[4]) == 20, line
     # the timed loop's checks need 8 + 8 + 6 s of the record run's phases on top of their own: never in 20 s
     assert {"compiles_in_timed_loop", "host_syncs_per_step", "compiled_vs_eager"} <= set(late), found
     assert plan.budget_s(plan.check("compiles_in_timed_loop")) > 20

@@ -199,6 +199,7 @@ class MemoryPlan:
             x = self.model.trunk(batch.inputs, batch.cu_seqlens, self.windows, batch.bigram_ids, batch.positions)
             at_head = self.live.live
             loss = self.model.loss(x, batch.inputs, batch.targets, mtp, batch.loss_mask)
+            del x  # what the head saves of it counts; in the trainer's forward it is a temporary
         kept = {"trunk": at_head - before, "head": self.live.live - at_head}
         if training:
             loss.backward()

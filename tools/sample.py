@@ -174,7 +174,10 @@ def load_model(path, snap, hp, device):
                            f"({str(e).splitlines()[0][:120]}); was it written by another version of train_gpt.py?")
     model.rotary.follow_window(tg.window_blocks_at(snap["step"], hp)[1] * hp.window_block_tokens)
     if hp.bigram_prior:  # not model state: counted again from the run's training shards, as the trainer did
-        files = snap["loader"]["files"]
+        files = (snap.get("loader") or {}).get("files") or []
+        if not files:
+            raise tg.DataError(f"{path}: its model adds --bigram_prior {hp.bigram_prior:g}, but the checkpoint names no "
+                               f"training shards to count it from; was it written by train_gpt.py?")
         gone = [name for name in files if not Path(name).is_file()]
         if gone:
             raise tg.DataError(f"{path}: its model adds --bigram_prior {hp.bigram_prior:g}, counted from its training "
