@@ -1234,12 +1234,13 @@ class Lambdas(NamedTuple):
 
 class Stream(NamedTuple):
     """What every layer may read besides x: the embedded input x0 (with the bigram rows), the bigram rows, the
-    value embeddings, the U-net skip's scale and the forward's lambdas."""
+    value embeddings, the U-net skip's scale, the forward's lambdas and the scalars' views."""
     x0: Tensor
     bigram: Tensor | None
     values: list
     skip_scale: Tensor
     lambdas: Lambdas
+    scalars: Scalars
 
 
 def add_bigram(x, bigram, lam):
@@ -1383,7 +1384,7 @@ class GPT(nn.Module):
         skip_scale = torch.sigmoid(scalars.skip)
         if self.skip_gate_w is not None:
             skip_scale = skip_scale * 2 * torch.sigmoid(F.linear(x0[:, :GATE_INPUTS], self.skip_gate_w.type_as(x0)))
-        return Stream(x0, bigram, values, skip_scale, lambdas)
+        return Stream(x0, bigram, values, skip_scale, lambdas, scalars)
 
     def scale_before(self, i, x, stream):
         """Without per-sublayer lambdas: x <- resid x + x0_lambda x0 (and the bigram rows) before layer i."""
@@ -1408,7 +1409,7 @@ class GPT(nn.Module):
         else:
             added_v = value
         xsa_alpha = self.xsa_alphas[i] if plan.xsa else None
-        a = layer.attend(plan, attn_in, self.scalar_views().attn[i], added_v, xsa_alpha,
+        a = layer.attend(plan, attn_in, stream.scalars.attn[i], added_v, xsa_alpha,
                          context[plan.long_window, plan.paired], self.attention, self.rotary.attn_scale)
         if plan.residual == "mudd":
             x = coefs.attn_resid * x + coefs.attn_out * a + coefs.attn_x0 * x0
@@ -1453,7 +1454,7 @@ class GPT(nn.Module):
             x = x + out.x0 * stream.x0 + out.backout * backout + out.last_input * last_input + \
                 out.value_embed * first_value + out.skip * skip
         else:
-            x = x - self.scalar_views().backout * backout
+            x = x - stream.scalars.backout * backout
         return norm(x)
 
     def loss(self, x, input_seq, target_seq, mtp_weights=None, loss_mask=None):
