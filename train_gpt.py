@@ -819,15 +819,16 @@ class BigramCounts(NamedTuple):
 
 
 def count_bigrams(streams, vocab_size):
-    """BigramCounts of every token and every consecutive pair inside each stream (a shard is one stream)."""
+    """BigramCounts of every token and every consecutive pair inside each stream (a shard is one stream) of
+    tokens below 65,536, as shards hold them."""
     unigrams = np.zeros(vocab_size, dtype=np.int64)
     keys = []
     for tokens in streams:
-        tokens = tokens.astype(np.int64)
         unigrams += np.bincount(tokens, minlength=vocab_size)
-        keys.append(tokens[:-1] * vocab_size + tokens[1:])
+        tokens = tokens.astype(np.uint32)  # keys of uint16 tokens fit: sorting 4-byte keys takes half the time
+        keys.append(tokens[:-1] * np.uint32(vocab_size) + tokens[1:])
     pairs, pair_counts = np.unique(np.concatenate(keys), return_counts=True)
-    return BigramCounts(unigrams, pairs, pair_counts)
+    return BigramCounts(unigrams, pairs.astype(np.int64), pair_counts)
 
 
 def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512, topics=8):
@@ -1192,24 +1193,38 @@ class Layer(nn.Module):
     def attend(self, plan, x, lambdas, added_v, xsa_alpha, context, attention, attn_scale):
         """This layer's attention on its normed input x (T, D); the lambdas scale [Q; K; V] and O."""
         mask, cos_sin = context
-        T, H, hd = x.size(0), self.num_heads, self.head_dim
-        hdim = H * hd
-        w_qkv = torch.cat([self.qk_w, self.vo_w[:hdim]]).type_as(x)
-        q, k, v = F.linear(x, lambdas[0] * w_qkv).view(T, 3, H, hd).unbind(1)
-        q, k = apply_rotary(norm(q), cos_sin), apply_rotary(norm(k), cos_sin)
+        q, k, v = self.qkv(x, self.qkv_weight(lambdas[0], x), cos_sin)
         if plan.key_shift:
             k = shift_keys(k)
         if added_v is not None:
             v = v + added_v.view_as(v)
         if plan.paired:  # row 2t + r, slot s of the doubled stream holds head r H/2 + s of token t
+            T, H, hd = q.shape
             y = attention(*(t.reshape(2 * T, H // 2, hd) for t in (q, k, v)), mask, attn_scale).reshape(T, H, hd)
         else:
             y = attention(q, k, v, mask, attn_scale)
+        return self.output(x, y, v, xsa_alpha, self.o_weight(lambdas[1], x))
+
+    def qkv_weight(self, qkv_lambda, x):
+        """[Q; K; V] (3 H head_dim, D) in x's dtype, times the QKV lambda."""
+        return qkv_lambda * torch.cat([self.qk_w, self.vo_w[: self.num_heads * self.head_dim]]).type_as(x)
+
+    def o_weight(self, o_lambda, x):
+        """O (D, H head_dim) in x's dtype, times the O lambda."""
+        return o_lambda * self.vo_w[self.num_heads * self.head_dim:].type_as(x)
+
+    def qkv(self, x, w_qkv, cos_sin):
+        """Queries, keys (normed, rotated) and values (T, H, head_dim) of the normed input x."""
+        q, k, v = F.linear(x, w_qkv).view(x.size(0), 3, self.num_heads, self.head_dim).unbind(1)
+        return apply_rotary(norm(q), cos_sin), apply_rotary(norm(k), cos_sin), v
+
+    def output(self, x, y, v, xsa_alpha, w_o):
+        """The attention's output y (T, H, head_dim) through XSA (with its values v), the heads' gates and O."""
         if xsa_alpha is not None:  # subtract a gated share of y along its own (unit) value
             unit_v = F.normalize(v, dim=-1, eps=1e-4)
             y = y - torch.tanh(xsa_alpha).type_as(y)[:, None] * (y * unit_v).sum(-1, keepdim=True) * unit_v
         y = y * torch.sigmoid(F.linear(x[:, :GATE_INPUTS], self.gate_w.type_as(x)))[..., None]
-        return F.linear(y.reshape(T, hdim), lambdas[1] * self.vo_w[hdim:].type_as(x))
+        return F.linear(y.flatten(1), w_o)
 
     def mlp(self, x):
         return F.relu(F.linear(x, self.fc_w.type_as(x))).square() @ self.proj_w.type_as(x)
@@ -1276,6 +1291,25 @@ def attention_context(model, docs, window_blocks, positions=None):
 def gate_heads(value, head_gates):
     """A value embedding (T, D) with each head's part scaled by its gate (T, H)."""
     return (head_gates[:, :, None] * value.view(*head_gates.shape, -1)).view(value.shape)
+
+
+def scale_before_layer(plan, i, x, stream):
+    """Without per-sublayer lambdas: x <- resid x + x0_lambda x0 (and the bigram rows) before layer i."""
+    lam = stream.lambdas
+    x = lam.resid[i].type_as(x) * x + lam.x0[i].type_as(x) * stream.x0
+    return add_bigram(x, stream.bigram, lam.bigram[i].type_as(x)) if plan.adds_bigram else x
+
+
+def attention_residual(plan, i, x, a, stream, coefs):
+    """x after layer i's attention output a joins it (coefs: the MUDD layer's coefficients, else None)."""
+    lam, x0 = stream.lambdas, stream.x0
+    if coefs is not None:
+        x = coefs.attn_resid * x + coefs.attn_out * a + coefs.attn_x0 * x0
+        return add_bigram(x, stream.bigram, coefs.bigram)
+    if plan.residual == "plain":
+        return x + a
+    x = lam.resid[i, 0].type_as(x) * x + lam.post[i, 0].type_as(x) * a + x0 * lam.x0[i].type_as(x)
+    return add_bigram(x, stream.bigram, lam.bigram[i].type_as(x)) if plan.adds_bigram else x
 
 
 class GPT(nn.Module):
@@ -1350,12 +1384,14 @@ class GPT(nn.Module):
         self.x0_lambdas = adam_tag(nn.Parameter(torch.zeros(L)), "lambdas", hp)
         self.xsa_alphas = adam_tag(nn.Parameter(torch.zeros(L, hp.num_heads)), "lambdas", hp) if self.roles.xsa else None
 
-    def embedding_table(self):
-        return self.lm_head.weight if self.embed is None else self.embed
-
     def scalar_views(self):
         L, s = self.num_layers, self.scalars
         return Scalars(s[: 2 * L].view(L, 2), s[2 * L], s[2 * L + 1], None if self.use_mudd else s[2 * L + 2])
+
+    def rounded_lambdas(self):
+        """The per-layer lambdas rounded to bf16, as the reference uses them."""
+        lambdas = (self.resid_lambdas, self.post_lambdas, self.x0_lambdas, self.bigram_lambdas)
+        return Lambdas(*(None if t is None else t.bfloat16() for t in lambdas))
 
     def mudd(self, x, block, coefs):
         """MUDD network `block` (0: the last layer, 1: the output) on x: its per-token coefficients as `coefs`."""
@@ -1370,10 +1406,8 @@ class GPT(nn.Module):
 
     def embed_input(self, input_seq, bigram_ids):
         """The Stream of one sequence: smeared, normed embeddings plus the bigram rows as x0, and the rest."""
-        as_bf16 = lambda t: None if t is None else t.bfloat16()  # noqa: E731
-        lambdas = Lambdas(*map(as_bf16, (self.resid_lambdas, self.post_lambdas, self.x0_lambdas, self.bigram_lambdas)))
-        scalars = self.scalar_views()
-        x = F.embedding(input_seq, self.embedding_table())
+        lambdas, scalars = self.rounded_lambdas(), self.scalar_views()
+        x = F.embedding(input_seq, self.lm_head.weight if self.embed is None else self.embed)
         # smear: each token's embedding takes a gated share of the previous one (across documents too)
         gate = scalars.smear * torch.sigmoid(F.linear(x[1:, :GATE_INPUTS], self.smear_gate_w.type_as(x)))
         x = norm(torch.cat([x[:1], x[1:] + gate * x[:-1]]))
@@ -1386,15 +1420,9 @@ class GPT(nn.Module):
             skip_scale = skip_scale * 2 * torch.sigmoid(F.linear(x0[:, :GATE_INPUTS], self.skip_gate_w.type_as(x0)))
         return Stream(x0, bigram, values, skip_scale, lambdas, scalars)
 
-    def scale_before(self, i, x, stream):
-        """Without per-sublayer lambdas: x <- resid x + x0_lambda x0 (and the bigram rows) before layer i."""
-        lam = stream.lambdas
-        x = lam.resid[i].type_as(x) * x + lam.x0[i].type_as(x) * stream.x0
-        return add_bigram(x, stream.bigram, lam.bigram[i].type_as(x)) if self.plan[i].adds_bigram else x
-
-    def attention_sublayer(self, i, x, stream, backout, context):
-        """Layer i's attention and its residual update: (x, the MUDD layer's coefficients or None)."""
-        layer, plan, lam, x0 = self.layers[i], self.plan[i], stream.lambdas, stream.x0
+    def attention_inputs(self, i, x, stream, backout):
+        """Before layer i's attention: (x, its normed input, what its values get added, MUDD's coefs or None)."""
+        layer, plan, x0 = self.layers[i], self.plan[i], stream.x0
         attn_in = norm(backout if plan.attends_backout else x)
         value = None if plan.value_table is None else stream.values[plan.value_table]
         coefs = self.mudd(x, 0, MuddLayerCoefs) if plan.residual == "mudd" else None
@@ -1408,16 +1436,7 @@ class GPT(nn.Module):
             added_v = gate_heads(value, 2 * torch.sigmoid(F.linear(gate_in, layer.ve_gate_w.type_as(x))))
         else:
             added_v = value
-        xsa_alpha = self.xsa_alphas[i] if plan.xsa else None
-        a = layer.attend(plan, attn_in, stream.scalars.attn[i], added_v, xsa_alpha,
-                         context[plan.long_window, plan.paired], self.attention, self.rotary.attn_scale)
-        if plan.residual == "mudd":
-            x = coefs.attn_resid * x + coefs.attn_out * a + coefs.attn_x0 * x0
-            return add_bigram(x, stream.bigram, coefs.bigram), coefs
-        if plan.residual == "plain":
-            return x + a, None
-        x = lam.resid[i, 0].type_as(x) * x + lam.post[i, 0].type_as(x) * a + x0 * lam.x0[i].type_as(x)
-        return add_bigram(x, stream.bigram, lam.bigram[i].type_as(x)) if plan.adds_bigram else x, None
+        return x, attn_in, added_v, coefs
 
     def mlp_sublayer(self, i, x, stream, coefs):
         layer = self.layers[i]
@@ -1440,14 +1459,22 @@ class GPT(nn.Module):
             if plan.skip_in:
                 x = x + stream.skip_scale * skip
             if plan.scale_before:
-                x = self.scale_before(i, x, stream)
+                x = scale_before_layer(plan, i, x, stream)
             last_input = x if plan.residual == "mudd" else last_input
             coefs = None
             if plan.attention:
-                x, coefs = self.attention_sublayer(i, x, stream, backout, context)
+                x, attn_in, added_v, coefs = self.attention_inputs(i, x, stream, backout)
+                a = self.layers[i].attend(plan, attn_in, stream.scalars.attn[i], added_v,
+                                          self.xsa_alphas[i] if plan.xsa else None,
+                                          context[plan.long_window, plan.paired], self.attention, self.rotary.attn_scale)
+                x = attention_residual(plan, i, x, a, stream, coefs)
             x = self.mlp_sublayer(i, x, stream, coefs)
             skip = x if plan.skip_out else skip
             backout = x if plan.backout_out else backout
+        return self.output(x, stream, skip, backout, last_input)
+
+    def output(self, x, stream, skip, backout, last_input):
+        """The normed last hidden states: the last layer's output x mixed with earlier states (MUDD, or backout)."""
         if self.use_mudd:
             out = self.mudd(x, 1, MuddOutputCoefs)
             first_value = stream.values[0] if stream.values else 0
@@ -1471,11 +1498,9 @@ class GPT(nn.Module):
         return self.loss(self.trunk(input_seq, cu_seqlens, window_blocks, bigram_ids, positions), input_seq,
                          target_seq, mtp_weights, loss_mask)
 
-    def logits(self, input_seq, cu_seqlens, window_blocks, bigram_ids=None, last_only=False):
-        """Softcapped fp32 logits (padded vocabulary, with the bigram prior) of each position or the last one."""
+    def logits(self, input_seq, cu_seqlens, window_blocks, bigram_ids=None):
+        """Softcapped fp32 logits (padded vocabulary, with the bigram prior) of each position."""
         x = self.trunk(input_seq, cu_seqlens, window_blocks, bigram_ids)
-        if last_only:
-            x, input_seq = x[-1:], input_seq[-1:]
         logits = softcapped(head_matmul(x, self.lm_head.weight, None), self.softcap)
         return logits if self.bigram_prior is None else self.bigram_prior.add_to(logits, input_seq)
 
@@ -1515,10 +1540,12 @@ def fp8_backward(g, x_f8, w_f8, x_s, w_s, grad_s):
     return grad_x, grad_w
 
 
-# On CUDA the casts and scalings run compiled (fused, the scale tensors folded into constants); the
-# eager bodies serve the CPU.
-fp8_forward_compiled = torch.compile(fp8_forward, dynamic=False)
-fp8_backward_compiled = torch.compile(fp8_backward, dynamic=False)
+@functools.cache
+def compiled(fn):
+    """fn under torch.compile, made at its first call: on CUDA the FP8 casts and scalings run compiled (fused,
+    the scale tensors folded into constants), the eager bodies serve the CPU; importing the compiler takes
+    seconds, which a process that never calls it (the CPU path, tools/sample.py, the tests) does not pay."""
+    return torch.compile(fn, dynamic=False)
 
 
 @torch.library.custom_op("speedrun::mm_fp8", mutates_args=())
@@ -1529,7 +1556,7 @@ def mm_fp8(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple
 
 @mm_fp8.register_kernel("cuda")
 def _(x, w, x_s, w_s, grad_s):
-    return fp8_forward_compiled(x, w, x_s, w_s)
+    return compiled(fp8_forward)(x, w, x_s, w_s)
 
 
 @mm_fp8.register_fake
@@ -1546,7 +1573,7 @@ def mm_fp8_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: floa
 
 @mm_fp8_backward.register_kernel("cuda")
 def _(g, x_f8, w_f8, x_s, w_s, grad_s):
-    return fp8_backward_compiled(g, x_f8, w_f8, x_s, w_s, grad_s)
+    return compiled(fp8_backward)(g, x_f8, w_f8, x_s, w_s, grad_s)
 
 
 @mm_fp8_backward.register_fake

@@ -139,40 +139,52 @@ def test_a_two_process_checkpoint_loads(tmp_path, capsys):
     assert code == 0 and out.startswith("val_loss:"), err
 
 
-@pytest.mark.slow  # (in-process, but 201 forwards: ~15 s on 2 busy cores)
-def test_incremental_logits_equal_the_full_forwards_at_every_position(tmp_path):
-    """A 200-token generation with every recipe-89 idea on (bigram hash and signs, smear gate, value
-    embeddings and their gates, paired heads, XSA, key shift, U-net skip, backout, MUDD, sublayer lambdas,
-    YaRN) and random weights, so no idea is inert as at its zero init; the sequence outgrows the short
-    and the long window. Each step's logits from IncrementalModel equal the logits of one full forward
-    over the final sequence at that position (attention is causal). They differ only in the order of
-    fp32 sums (one row instead of all, a window's keys instead of a padded tile's): measured 1.8e-5 of the
-    largest logit. The bound 1e-4 sits below what one wrong input does: rotary tables one position off
-    give 9e-4, a key shift without the previous key 3e-2 (both measured)."""
-    hp = tg.parse_args(list(map(str, tiny(tmp_path))))
+EVERY_IDEA_OFF = ("--bigram_vocab_size", 0, "--value_embed_layers", "--value_embed_tables", "--value_embed_gates", "false",
+                  "--paired_head_layers", "--xsa_layers", "--skip_gate", "false", "--shared_attention_input", "false",
+                  "--mudd_dim", 0, "--sublayer_scalars", "false", "--untie_stage", -1)
+
+
+@pytest.mark.parametrize("flags, prompt_tokens, positions", [((), 4, 204), ((), 150, 204), (EVERY_IDEA_OFF, 4, 100)],
+                         ids=["every-idea", "long-prompt", "every-idea-off"])
+def test_decoder_logits_equal_the_full_forwards_at_every_position(tmp_path, flags, prompt_tokens, positions):
+    """A prompt, then a generation to 204 positions (100 with every idea off), with random weights (so no idea is
+    inert as at its zero init) and a bigram prior: every recipe-89 idea on (bigram hash and signs, smear gate, value
+    embeddings and their gates, paired heads, XSA, key shift, U-net skip, backout, MUDD, sublayer lambdas, YaRN), or
+    every idea off; a prompt of 4 tokens, or of 150 run at once (past the short and the long window: the masks of
+    several new rows). The sequence outgrows both windows (with every idea off, the short one). Each of the
+    Decoder's logits equals the full forward's (GPT.logits over the final sequence: attention is causal) at that
+    position. The two compute the same fp32 operations and differ only in the order of their sums (one row instead
+    of all, a window's keys instead of a padded tile's, the head's transposed copy); the softcap (slope < 1) does
+    not enlarge those roundings. Bound: 16 fp32 ulps of the largest logit, 2^-19 of it (measured: 9.8e-8, under one
+    ulp, at 1 and 2 threads). One wrong input lies far above it (measured, smallest of the three cases): rotary
+    tables one position off 2.1e-4, the first new key shifted without the cached one 3.1e-5, no window (every cached
+    key seen) 1.0e-3."""
+    hp = tg.parse_args(list(map(str, tiny(tmp_path, *flags))))
     torch.manual_seed(0)
     model = tg.use_cpu_fallbacks(tg.new_model(hp)).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.3)
+    rng = np.random.default_rng(0)
+    model.bigram_prior = tg.BigramPrior(tg.count_bigrams([rng.integers(0, 3000, 50_000)], hp.vocab_size), 0.5,
+                                        model.lm_head.weight.size(0))
     windows = (1, 3)  # short and long window in blocks of 64: 64 and 192 keys (rows of a paired stream)
     model.rotary.follow_window(2 * hp.window_block_tokens)
     model.rotary.follow_window(windows[1] * hp.window_block_tokens)  # YaRN: scaled frequencies
-    ids, steps = [tg.BOS_ID, 464, 3290, 373], []
-    incremental = sample.IncrementalModel(model, hp, windows, torch.device("cpu"))
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        logits = incremental.logits(ids)[: hp.vocab_size]
-        steps.append(logits)
-        ids.append(sample.next_token(logits.index_fill(0, torch.tensor([tg.BOS_ID]), -torch.inf), 1.0, 0, generator))
-    window = np.array(ids)
-    batch = tg.model_inputs(window, [len(ids) - 1], torch.device("cpu"), tg.bigram_hash(window[:-1], hp.bigram_vocab_size))
-    model.head_loss = lambda x, weight, *_: tg.softcapped(tg.head_matmul(x, weight, None), model.softcap)
+    ids = [tg.BOS_ID] + rng.integers(0, 3000, prompt_tokens - 1).tolist()
+    decoder = sample.Decoder(model, hp, windows)
+    steps, generator = [decoder.append(ids)], torch.Generator().manual_seed(0)
+    while len(ids) < positions:
+        ids.append(sample.next_token(steps[-1][: hp.vocab_size].index_fill(0, torch.tensor([tg.BOS_ID]), -torch.inf),
+                                     1.0, 0, generator))
+        steps.append(decoder.append(ids[-1:]))
+    window = np.array(ids + [tg.BOS_ID])
+    batch = tg.model_inputs(window, [len(ids)], torch.device("cpu"), tg.bigram_hash(window[:-1], hp.bigram_vocab_size)
+                            if hp.bigram_vocab_size else None)
     with torch.no_grad():
-        full = model(batch.inputs, batch.inputs, batch.cu_seqlens, windows, batch.bigram_ids)[:, : hp.vocab_size]
-    full = full[len(ids) - 1 - 200:]  # the positions whose next token was generated
+        full = model.logits(batch.inputs, batch.cu_seqlens, windows, batch.bigram_ids)[prompt_tokens - 1:]
     difference = (torch.stack(steps) - full).abs().amax(dim=1) / full.abs().amax(dim=1)
-    assert difference.max() < 1e-4, difference.max()
+    assert difference.max() <= 2 ** -19, difference.max()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,6 +235,18 @@ def test_bad_prompts_and_flags(tmp_path, capsys):
     one_line_error(*run_sample([checkpoint, "--eval", tmp_path / "none_*.bin"], capsys)[::2], "matches no file")
     code, out, err = run_sample([checkpoint, "--prompt", "x" * 254, "--max_new_tokens", 5], capsys)  # room for 1
     assert code == 0 and "stopped at the model's 256-token document limit" in err, err
+
+
+def test_a_model_with_the_bigram_prior_samples_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """The prior is added on the CPU only: --device auto picks the CPU for such a model even where CUDA is
+    present, --device cuda is one line (checked where CUDA is faked: the refusal comes before any CUDA call)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with_prior = tg.parse_args(list(map(str, tiny(tmp_path, "--bigram_prior", 1.0))))
+    assert sample.sampling_device("auto", with_prior).type == "cpu"
+    assert sample.sampling_device("auto", dataclasses.replace(with_prior, bigram_prior=0.0)).type == "cuda"
+    with pytest.raises(tg.ConfigError, match="--device cuda: the checkpoint's model adds --bigram_prior 1, which runs "
+                                             "on the CPU only; use --device cpu or auto"):
+        sample.sampling_device("cuda", with_prior)
 
 
 def test_no_bpe_available(tmp_path, capsys, monkeypatch):

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
-from sample import checkpoint_hyperparameters, load_model  # noqa: E402
+from sample import open_checkpoint  # noqa: E402
 
 
 def gradient(model, pieces, windows, mtp):
@@ -66,9 +66,8 @@ def main(argv=None):
     parser.add_argument("--micro_batch_tokens", type=int, nargs="+", required=True, help="caps to compare")
     parser.add_argument("--micro_steps", type=int, default=8, help="micro-steps to average over (default: 8)")
     args = parser.parse_args(argv)
-    snap = tg.load_checkpoint(args.checkpoint)
-    hp = checkpoint_hyperparameters(args.checkpoint, snap)
-    model = load_model(args.checkpoint, snap, hp, torch.device("cpu")).train()
+    snap, hp, model = open_checkpoint(args.checkpoint, "cpu")
+    model.train()
     step, rows_bigram = snap["step"], hp.bigram_vocab_size
     windows = tg.window_blocks_at(step, hp)
     mtp = torch.tensor(tg.mtp_weights_at(step, hp)) if tg.multi_token_prediction(hp) else None

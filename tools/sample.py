@@ -5,10 +5,10 @@
     python tools/sample.py CHECKPOINT --eval 'data/novels/novels_val_*.bin'
 
 Any checkpoint of this trainer loads, whatever number of processes wrote it (a checkpoint holds the full
-model; only its model state is read, see load_model_state). The model runs its own forward (through
-GPT.logits) with the attention windows and YaRN state of the checkpoint's step, on the
-CPU path's attention (tiled SDPA, any device); generation is incremental (IncrementalModel: each position
-runs once, earlier keys and values cached), on --cpu_threads threads (default 1).
+model; only its model state is read, see read_model_state). The model runs with the attention windows and
+YaRN state of the checkpoint's step. Generation is incremental (Decoder: the model's own layer functions,
+each position run once, earlier keys and values cached), on --cpu_threads threads (default 1): on 2 CPU
+cores the cpu preset's model writes about 150 tokens/s, its first token about 3 s after the start.
 Sampling is deterministic for a --seed on a given device; the text goes to stdout, tokens/s to stderr.
 Generation stops at the end of a document (<|endoftext|>) or at the model's --max_seq_len.
 
@@ -23,6 +23,7 @@ missing, corrupt or foreign checkpoint, an empty prompt or one longer than the m
 is one line `sample.py: error: ...` on stderr and exit status 2.
 """
 import argparse
+import concurrent.futures
 import glob
 import hashlib
 import io
@@ -58,7 +59,8 @@ def build_parser():
     parser.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens; 0: all (default: 50)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: 0)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: CUDA when present, else CPU (default: auto)")
+                        help="auto: CUDA when present, else CPU; a model with --bigram_prior runs on the CPU "
+                             "(default: auto)")
     parser.add_argument("--cpu_threads", type=int, default=1,
                         help="torch threads on CPU (default: 1; the model's operations are too small to share, and a "
                              "second thread on a busy machine waits for its turn at every one of them)")
@@ -109,22 +111,30 @@ class LazyUnpickler(pickle.Unpickler):
             return key, torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
 
 
-def load_model_state(path):
-    """The checkpoint, checked as train_gpt.load_checkpoint checks it (header, checksum, keys), with only the
-    model's tensors read: the optimizer state, most of the file, stays on disk (its tensors LazyTensor)."""
-    header_len = len(tg.CHECKPOINT_MAGIC) + 65
+def file_checksum(path):
+    """(the checkpoint's header, sha256 of the rest of the file)."""
     try:
         with open(path, "rb") as f:
-            header, digest = f.read(header_len), hashlib.sha256()
+            header, digest = f.read(len(tg.CHECKPOINT_MAGIC) + 65), hashlib.sha256()
             while chunk := f.read(1 << 24):
-                digest.update(chunk)
+                digest.update(chunk)  # (hashlib lets other threads run meanwhile)
     except OSError as e:
         raise tg.DataError(f"{path}: cannot read checkpoint ({e.strerror})")
-    if not header.startswith(tg.CHECKPOINT_MAGIC) or len(header) < header_len:
+    return header, digest.hexdigest()
+
+
+def check_checksum(path, header, checksum):
+    """The header and checksum checks of train_gpt.load_checkpoint."""
+    if not header.startswith(tg.CHECKPOINT_MAGIC) or len(header) < len(tg.CHECKPOINT_MAGIC) + 65:
         raise tg.DataError(f"{path}: not a speedrun checkpoint (bad header); pass a checkpoint train_gpt.py wrote "
                            f"(--save_every, --save_checkpoint or a stop signal: step_NNNNNN.pt, final.pt)")
-    if digest.hexdigest() != header[len(tg.CHECKPOINT_MAGIC): header_len - 1].decode():
+    if checksum != header[len(tg.CHECKPOINT_MAGIC): -1].decode():
         raise tg.DataError(f"{path}: checkpoint is corrupt or truncated (checksum mismatch); use an earlier checkpoint")
+
+
+def read_model_state(path):
+    """The checkpoint's contents with only the model's tensors read: the optimizer state, most of the file,
+    stays on disk (its tensors LazyTensor). Not checked against the checksum (check_checksum)."""
     try:
         archive = zipfile.ZipFile(path)  # (a zip reader skips the header in front of torch.save's archive)
         pickled = next(name for name in archive.namelist() if name.endswith("data.pkl"))
@@ -163,27 +173,57 @@ def checkpoint_hyperparameters(path, snap):
     return tg.Hyperparameters(**values)
 
 
-def load_model(path, snap, hp, device):
-    """The checkpoint's model in eval mode, fp32, with the CPU path's attention (any device), the rotary state
-    (YaRN) of the checkpoint's step and, under --bigram_prior, the prior of its training shards."""
-    model = tg.use_cpu_fallbacks(tg.new_model(hp))
-    try:
-        model.load_state_dict(snap["model"])
-    except (RuntimeError, KeyError, TypeError) as e:
-        raise tg.DataError(f"{path}: its model state does not fit the model its settings describe "
-                           f"({str(e).splitlines()[0][:120]}); was it written by another version of train_gpt.py?")
-    model.rotary.follow_window(tg.window_blocks_at(snap["step"], hp)[1] * hp.window_block_tokens)
-    if hp.bigram_prior:  # not model state: counted again from the run's training shards, as the trainer did
-        files = (snap.get("loader") or {}).get("files") or []
-        if not files:
-            raise tg.DataError(f"{path}: its model adds --bigram_prior {hp.bigram_prior:g}, but the checkpoint names no "
-                               f"training shards to count it from; was it written by train_gpt.py?")
-        gone = [name for name in files if not Path(name).is_file()]
-        if gone:
-            raise tg.DataError(f"{path}: its model adds --bigram_prior {hp.bigram_prior:g}, counted from its training "
-                               f"shards, and {gone[0]} is not there; run from the folder the training ran in")
-        model.bigram_prior = tg.count_bigram_prior(hp, files, model.lm_head.weight.size(0))
-    return model.to(device).eval()
+def count_prior(path, snap, hp):
+    """--bigram_prior's BigramPrior: not model state, counted again from the run's training shards, as the
+    trainer did."""
+    files = (snap.get("loader") or {}).get("files") or []
+    if not files:
+        raise tg.DataError(f"{path}: its model adds --bigram_prior {hp.bigram_prior:g}, but the checkpoint names no "
+                           f"training shards to count it from; was it written by train_gpt.py?")
+    gone = [name for name in files if not Path(name).is_file()]
+    if gone:
+        raise tg.DataError(f"{path}: its model adds --bigram_prior {hp.bigram_prior:g}, counted from its training "
+                           f"shards, and {gone[0]} is not there; run from the folder the training ran in")
+    return tg.count_bigram_prior(hp, files, -(-hp.vocab_size // 128) * 128)
+
+
+def sampling_device(choice, hp):
+    """--device's choice for this checkpoint: auto is CUDA when present, except for a model that adds
+    --bigram_prior (its prior is added on the CPU only, as in training)."""
+    if hp.bigram_prior and choice == "cuda":
+        raise tg.ConfigError(f"--device cuda: the checkpoint's model adds --bigram_prior {hp.bigram_prior:g}, which runs "
+                             f"on the CPU only; use --device cpu or auto")
+    cuda = choice == "cuda" or (choice == "auto" and not hp.bigram_prior and torch.cuda.is_available())
+    return torch.device("cuda" if cuda else "cpu")
+
+
+def open_checkpoint(path, device_choice):
+    """(contents, Hyperparameters, model): the checkpoint checked as train_gpt.load_checkpoint checks it (header,
+    checksum, keys) and its model in eval mode, fp32, on the device of the --device choice (sampling_device),
+    with the CPU path's attention (any device), the rotary state (YaRN) of its step and, under --bigram_prior,
+    the prior of its training shards. The checksum of the whole file and the prior's counting run in threads
+    while the model is built (on two cores that halves the start); nothing read is used before the checksum
+    holds."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        checksum = pool.submit(file_checksum, path)
+        try:
+            snap = read_model_state(path)
+            hp = checkpoint_hyperparameters(path, snap)
+            device = sampling_device(device_choice, hp)
+            prior = pool.submit(count_prior, path, snap, hp) if hp.bigram_prior else None
+            model = tg.use_cpu_fallbacks(tg.new_model(hp))
+        except Exception:
+            check_checksum(path, *checksum.result())  # a damaged file is named as one, whatever broke its reading
+            raise
+        check_checksum(path, *checksum.result())
+        try:
+            model.load_state_dict(snap["model"])
+        except (RuntimeError, KeyError, TypeError) as e:
+            raise tg.DataError(f"{path}: its model state does not fit the model its settings describe "
+                               f"({str(e).splitlines()[0][:120]}); was it written by another version of train_gpt.py?")
+        model.rotary.follow_window(tg.window_blocks_at(snap["step"], hp)[1] * hp.window_block_tokens)
+        model.bigram_prior = prior.result() if prior else None
+    return snap, hp, model.to(device).eval()
 
 
 def prompt_ids(enc, prompt, max_seq_len):
@@ -198,99 +238,110 @@ def next_token(logits, temperature, top_k, generator):
     """A token id drawn from softmax(logits / temperature) over the top_k likeliest (argmax at temperature 0)."""
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+    if top_k and top_k < logits.numel():  # a draw among k, not the whole vocabulary (a draw costs per candidate)
+        values, ids = torch.topk(logits, top_k)
+        return int(ids[torch.multinomial(torch.softmax(values / temperature, dim=-1), 1, generator=generator)])
+    return int(torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator))
 
 
-class CachedAttention:
-    """Stands in for the model's attention while the model runs on new positions only: keeps each attention
-    layer's keys and values (in its rows: two per token in a paired layer) and attends the new rows' queries
-    over them, causal and within the window, as the model's own attention does inside one document. The
-    rows of the one already-seen position that leads each step's input get zeros (they are not used)."""
-
-    def __init__(self):
-        self.keys, self.values, self.layer, self.share = [], [], 0, (1, 1)
-
-    @staticmethod
-    def mask(docs, window_tokens):
-        return int(window_tokens)  # one document: the window is all the mask says
-
-    def __call__(self, q, k, v, window, scale):
-        rows = q.size(0)
-        new = rows * self.share[0] // self.share[1]  # the rows of the new positions (the last ones)
-        if self.layer == len(self.keys):
-            self.keys.append(k[rows - new:])
-            self.values.append(v[rows - new:])
-        else:
-            self.keys[self.layer] = torch.cat([self.keys[self.layer], k[rows - new:]])
-            self.values[self.layer] = torch.cat([self.values[self.layer], v[rows - new:]])
-        keys, values = self.keys[self.layer], self.values[self.layer]
-        self.layer += 1
-        first = keys.size(0) - new  # the first new row's index
-        start = max(0, first - window)
-        q_pos = torch.arange(first, keys.size(0), device=q.device)[:, None]
-        k_pos = torch.arange(start, keys.size(0), device=q.device)[None, :]
-        allowed = (k_pos <= q_pos) & (q_pos - k_pos <= window)
-        y = F.scaled_dot_product_attention((q[rows - new:] * scale.to(q.dtype)).transpose(0, 1),
-                                           keys[start:].transpose(0, 1), values[start:].transpose(0, 1),
-                                           attn_mask=allowed, scale=1.0).transpose(0, 1)
-        return torch.cat([y.new_zeros(rows - new, *y.shape[1:]), y])
+def rows_after_the_first(stream):
+    """The Stream without its first position (the lead position: its values were kept from the last call)."""
+    rest = lambda t: None if t is None else t[1:]  # noqa: E731
+    return stream._replace(x0=rest(stream.x0), bigram=rest(stream.bigram), values=[v[1:] for v in stream.values],
+                           skip_scale=rest(stream.skip_scale) if stream.skip_scale.dim() else stream.skip_scale)
 
 
-class IncrementalModel:
-    """Next-token logits of a growing token sequence, each position run through the model once: the model's
-    own forward on the new positions, led by the last position already run (the smear gate and the bigram
-    signs read the previous token), with the attention keys and values of earlier positions cached
-    (CachedAttention), each key-shift layer's previous key kept, and the rotary tables of the positions'
-    own offsets. Equal to the full forward's logits to fp32 rounding (tests/test_sample.py)."""
-
-    def __init__(self, model, hp, windows, device):
-        self.model, self.hp, self.windows, self.device = model, hp, windows, device
-        self.attention, self.seen, self.start, self.previous_keys, self.shift_layer = CachedAttention(), 0, 0, [], 0
-        self.tables = model.rotary.cos_sin(4 * hp.max_seq_len)  # positions of both streams (paired: 2 per token)
-
-    def cos_sin(self, n, positions=None):
-        """Rotary tables for n rows from this step's first position (paired layers ask for 2 rows a token);
-        `positions` is a micro-step piece's (training only), never given here."""
-        assert positions is None
-        offset = self.start * n // self.share[1]
-        return tuple(t[offset: offset + n] for t in self.tables)
-
-    def shift_keys(self, k):
-        """Key shift with the previous position's key of this layer from the last step."""
-        layer, lead = self.shift_layer, self.share[1] - self.share[0]
-        self.shift_layer += 1
-        if layer == len(self.previous_keys):
-            self.previous_keys.append(None)
-        previous, self.previous_keys[layer] = self.previous_keys[layer], k[-1]
-        if previous is None:
-            return self.real_shift_keys(k)
-        return torch.cat([k[:lead], self.real_shift_keys(torch.cat([previous[None], k[lead:]]))[1:]])
+class Decoder:
+    """GPT.trunk and GPT.logits for a sequence that grows by appended positions, each run once: append() runs
+    the new positions through the model's own layer functions, and keeps what later positions read of
+    earlier ones: every attention layer's keys and values, each key-shift layer's last key, the last token
+    (the smear gate, bigram hash and signs read it). Its loop is GPT.trunk's with the attention over cached
+    keys; the head multiplies by a (dim, vocabulary) copy of its weight, which CPU BLAS multiplies by one
+    row several times faster than the (vocabulary, dim) original. Equal to the full forward's logits to fp32
+    rounding (tests/test_sample.py)."""
 
     @torch.no_grad()
-    def logits(self, ids):
-        """Softcapped fp32 logits (padded vocabulary) of the token after `ids`, whose first self.seen
-        positions were run before."""
-        self.start = max(self.seen - 1, 0)
-        self.share = self.attention.share = (len(ids) - self.seen, len(ids) - self.start)
-        window = np.array(ids[self.start:] + [tg.BOS_ID])  # the last entry: only the unused last target
-        bigram_ids = tg.bigram_hash(np.array(ids), self.hp.bigram_vocab_size)[self.start:] \
-            if self.hp.bigram_vocab_size else None
-        batch = tg.model_inputs(window, [len(window) - 1], self.device, bigram_ids)
-        model, self.real_shift_keys = self.model, tg.shift_keys
-        own = model.attention, model.rotary.cos_sin
-        model.attention, model.rotary.cos_sin, tg.shift_keys = self.attention, self.cos_sin, self.shift_keys
-        self.attention.layer = self.shift_layer = 0
-        try:
-            logits = model.logits(batch.inputs, batch.cu_seqlens, self.windows, batch.bigram_ids, last_only=True)[0]
-        finally:
-            (model.attention, _), tg.shift_keys = own, self.real_shift_keys
-            del model.rotary.cos_sin  # (the instance attribute: the class's method again)
-        self.seen = len(ids)
-        return logits
+    def __init__(self, model, hp, windows):
+        self.model, self.ids, self.device = model, [], model.lm_head.weight.device
+        self.bigram_rows = hp.bigram_vocab_size
+        self.window = {long: windows[long] * hp.window_block_tokens for long in (0, 1)}  # (in rows, as the mask's)
+        self.tables = model.rotary.cos_sin(hp.max_seq_len)  # the positions' rotary tables, made once
+        self.paired_tables = model.rotary.paired_cos_sin(hp.max_seq_len, model.num_heads)
+        self.attn_scale = model.rotary.attn_scale.float()
+        self.head = model.lm_head.weight.t().contiguous()
+        # the lambdas of embed_input, rounded to bf16 as the forward uses them, kept in fp32: no cast per use
+        self.lambdas = tg.Lambdas(*(t if t is None else t.float() for t in model.rounded_lambdas()))
+        self.keys, self.values, self.last_keys, self.weights = {}, {}, {}, {}
+        scalars, fp32 = model.scalar_views(), self.head
+        for i, plan in enumerate(model.plan):
+            if plan.attention:  # [Q; K; V] and O times their lambdas, made once; the cached keys and values
+                layer = model.layers[i]
+                self.weights[i] = layer.qkv_weight(scalars.attn[i, 0], fp32), layer.o_weight(scalars.attn[i, 1], fp32)
+                share = 2 if plan.paired else 1  # a paired layer's stream: two rows per token, half the heads
+                shape = (share * hp.max_seq_len, model.num_heads // share, model.head_dim)
+                self.keys[i], self.values[i] = (torch.zeros(shape, device=self.device) for _ in range(2))
+
+    @torch.no_grad()
+    def append(self, new_ids):
+        """Softcapped fp32 logits (padded vocabulary, with the bigram prior) of the token after new_ids."""
+        model, start, lead = self.model, len(self.ids), int(bool(self.ids))
+        self.ids = self.ids + list(new_ids)
+        inputs = torch.tensor(self.ids[start - lead:], device=self.device)
+        first = max(0, start - lead - 2)  # (bigram_hash takes a span's first two positions for a sequence start)
+        bigram_ids = torch.from_numpy(tg.bigram_hash(np.array(self.ids[first:]), self.bigram_rows)[start - lead - first:]
+                                      ).to(self.device) if self.bigram_rows else None
+        stream = model.embed_input(inputs, bigram_ids)._replace(lambdas=self.lambdas)
+        stream = rows_after_the_first(stream) if lead else stream
+        x, skip, backout, last_input = stream.x0, None, None, None
+        for i, plan in enumerate(model.plan):
+            if plan.skip_in:
+                x = x + stream.skip_scale * skip
+            if plan.scale_before:
+                x = tg.scale_before_layer(plan, i, x, stream)
+            last_input = x if plan.residual == "mudd" else last_input
+            coefs = None
+            if plan.attention:
+                x, attn_in, added_v, coefs = model.attention_inputs(i, x, stream, backout)
+                a = self.attend(i, plan, attn_in, added_v, model.xsa_alphas[i] if plan.xsa else None, start)
+                x = tg.attention_residual(plan, i, x, a, stream, coefs)
+            x = model.mlp_sublayer(i, x, stream, coefs)
+            skip = x if plan.skip_out else skip
+            backout = x if plan.backout_out else backout
+        x = model.output(x, stream, skip, backout, last_input)[-1:]
+        logits = tg.softcapped(x @ self.head, model.softcap)
+        return (logits if model.bigram_prior is None else model.bigram_prior.add_to(logits, inputs[-1:]))[0]
+
+    def attend(self, i, plan, x, added_v, xsa_alpha, start):
+        """Layer.attend for positions start ... of the normed input x, over this layer's cached keys."""
+        layer, (w_qkv, w_o) = self.model.layers[i], self.weights[i]
+        tables = self.paired_tables if plan.paired else self.tables
+        q, k, v = layer.qkv(x, w_qkv, tuple(t[start: start + x.size(0)] for t in tables))
+        if plan.key_shift:  # the first new key takes the last cached one's (position 0: its own)
+            previous, self.last_keys[i] = self.last_keys.get(i, k[:1]), k[-1:]
+            k = tg.shift_keys(torch.cat([previous, k]))[1:]
+        if added_v is not None:
+            v = v + added_v.view_as(v)
+        y = self.cached_attention(i, plan, q, k, v, start)
+        return layer.output(x, y, v, xsa_alpha, w_o)
+
+    def cached_attention(self, i, plan, q, k, v, start):
+        """The new rows' attention over the cached keys and values (causal, within the layer's window)."""
+        n, H, hd = q.shape
+        share = 2 if plan.paired else 1  # row 2t + r, slot s holds head r H/2 + s of token t (as Layer.attend)
+        q, k, v = (t.reshape(share * n, H // share, hd) for t in (q, k, v))
+        first, end = share * start, share * (start + n)
+        self.keys[i][first:end], self.values[i][first:end] = k, v
+        window = self.window[plan.long_window]
+        begin = max(0, first - window)
+        mask = None
+        if end - first > 1:  # one row sees every cached key from `begin` on; several need causality
+            q_pos = torch.arange(first, end, device=q.device)[:, None]
+            k_pos = torch.arange(begin, end, device=q.device)[None, :]
+            mask = (k_pos <= q_pos) & (q_pos - k_pos <= window)
+        y = F.scaled_dot_product_attention((q * self.attn_scale).transpose(0, 1),
+                                           self.keys[i][begin:end].transpose(0, 1),
+                                           self.values[i][begin:end].transpose(0, 1), attn_mask=mask, scale=1.0)
+        return y.transpose(0, 1).reshape(n, H, hd)
 
 
 @torch.no_grad()
@@ -298,30 +349,29 @@ def generate(model, ids, hp, windows, args, device):
     """(new token ids, why generation stopped, seconds to the first new token): until --max_new_tokens, a
     document end or --max_seq_len."""
     generator = torch.Generator(device).manual_seed(args.seed)
-    ids, new, first = list(ids), [], None
-    incremental = IncrementalModel(model, hp, windows, device)
+    decoder, new, first = Decoder(model, hp, windows), [], None
     start = time.perf_counter()
-    while len(new) < args.max_new_tokens:
-        if len(ids) == hp.max_seq_len:
-            return new, f"stopped at the model's {hp.max_seq_len}-token document limit (--max_seq_len)", first
-        logits = incremental.logits(ids)[: hp.vocab_size]
-        token = next_token(logits, args.temperature, args.top_k, generator)
+    logits = decoder.append(ids)
+    while True:
+        token = next_token(logits[: hp.vocab_size], args.temperature, args.top_k, generator)
         first = time.perf_counter() - start if first is None else first
         if token == tg.BOS_ID:
             return new, "stopped at the end of the document (<|endoftext|>)", first
-        ids.append(token)
         new.append(token)
-    return new, None, first
+        if len(new) == args.max_new_tokens:
+            return new, None, first
+        if len(ids) + len(new) == hp.max_seq_len:
+            return new, f"stopped at the model's {hp.max_seq_len}-token document limit (--max_seq_len)", first
+        logits = decoder.append([token])
 
 
-def sample(args, enc, snap, hp, device, started):
-    model = load_model(args.checkpoint, snap, hp, device)
+def sample(args, enc, snap, hp, model, device, started):
     ids = prompt_ids(enc, args.prompt, hp.max_seq_len)
     windows = tg.window_blocks_at(snap["step"], hp)
     start = time.perf_counter()
     new, stopped, first = generate(model, ids, hp, windows, args, device)
     seconds = time.perf_counter() - start
-    print(enc.decode(ids[1:] + new))
+    print(enc.decode(ids[1:] + new), flush=True)  # (before the figures on stderr)
     print(f"{len(new)} tokens in {seconds:.2f} s ({len(new) / seconds:.1f} tokens/s) on {device}; first token "
           f"{start - started + (first or 0):.1f} s after start; checkpoint step {snap['step']}, windows "
           f"{windows[0]}/{windows[1]} blocks of {hp.window_block_tokens}" + (f"; {stopped}" if stopped else ""),
@@ -337,9 +387,8 @@ def shard_tokens(pattern):
 
 
 @torch.no_grad()
-def evaluate(args, snap, hp, device):
+def evaluate(args, snap, hp, model, device):
     """Mean loss per token over the first eval tokens of the shards, in forwards of the trainer's size."""
-    model = load_model(args.checkpoint, snap, hp, device)
     available = shard_tokens(args.eval) - 1  # the last target needs one more token
     wanted = min(args.eval_tokens or hp.val_tokens, available)
     chunk = min(tg.tokens_per_rank(hp.val_batch_size, 1, tg.grad_accum_steps(hp, 1), what="--val_batch_size"), wanted)
@@ -363,17 +412,15 @@ def main(argv=None, enc=None):
     threads = torch.get_num_threads()
     try:
         check_args(args)
-        device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                              else "cpu")
         if args.eval is None and enc is None:
             import fineweb  # data/fineweb.py: the GPT-2 BPE, offline from --bpe
             enc = fineweb.load_encoding(args.bpe)
         torch.set_num_threads(args.cpu_threads)
-        snap = load_model_state(args.checkpoint)
-        hp = checkpoint_hyperparameters(args.checkpoint, snap)
+        snap, hp, model = open_checkpoint(args.checkpoint, args.device)
+        device = model.lm_head.weight.device
         if args.eval is not None:
-            return evaluate(args, snap, hp, device)
-        return sample(args, enc, snap, hp, device, started)
+            return evaluate(args, snap, hp, model, device)
+        return sample(args, enc, snap, hp, model, device, started)
     except (tg.ConfigError, tg.DataError) as e:
         exit_with_error(PROG, e)
     except OSError as e:
