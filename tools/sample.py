@@ -344,7 +344,6 @@ class Decoder:
         return y.transpose(0, 1).reshape(n, H, hd)
 
 
-@torch.no_grad()
 def generate(model, ids, hp, windows, args, device):
     """(new token ids, why generation stopped, seconds to the first new token): until --max_new_tokens, a
     document end or --max_seq_len."""
