@@ -1132,6 +1132,11 @@ def gate_tag(p, group, hp):
     return adam_tag(p, group, hp) if hp.gates_in_adam else tag(p, "gate")
 
 
+def padded_vocab(hp):
+    """The head's rows: the vocabulary rounded up to whole 128-row tiles."""
+    return -(-hp.vocab_size // 128) * 128
+
+
 def uniform_init(rows, cols):
     bound = math.sqrt(3) * 0.5 / math.sqrt(cols)  # std 0.5 / sqrt(cols)
     return torch.empty(rows, cols).uniform_(-bound, bound)
@@ -1351,15 +1356,15 @@ class GPT(nn.Module):
 
     def init_embeddings(self, hp):
         """The head (its weight also the input embedding until the untie step), value embeddings, bigram table."""
-        D, padded_vocab = hp.model_dim, -(-hp.vocab_size // 128) * 128
-        self.lm_head = nn.Linear(D, padded_vocab, bias=False)
+        D, rows = hp.model_dim, padded_vocab(hp)
+        self.lm_head = nn.Linear(D, rows, bias=False)
         nn.init.normal_(self.lm_head.weight, std=0.005)
         adam_tag(self.lm_head.weight, "lm_head", hp)
         # the input embedding: tied to the head (kept equal to it by DistAdam) until the untie step
         self.embed = adam_tag(nn.Parameter(self.lm_head.weight.detach().clone()), "embed", hp) \
             if hp.untie_stage >= 0 else None
         tables = max(self.roles.value_embed.values(), default=-1) + 1
-        self.value_embeds = nn.ParameterList([adam_tag(nn.Parameter(torch.randn(padded_vocab, D) * hp.value_embed_std),
+        self.value_embeds = nn.ParameterList([adam_tag(nn.Parameter(torch.randn(rows, D) * hp.value_embed_std),
                                                        "value_embed", hp) for _ in range(tables)])
         self.bigram_embed = self.bigram_lambdas = None
         if hp.bigram_vocab_size:

@@ -184,7 +184,7 @@ def count_prior(path, snap, hp):
     if gone:
         raise tg.DataError(f"{path}: its model adds --bigram_prior {hp.bigram_prior:g}, counted from its training "
                            f"shards, and {gone[0]} is not there; run from the folder the training ran in")
-    return tg.count_bigram_prior(hp, files, -(-hp.vocab_size // 128) * 128)
+    return tg.count_bigram_prior(hp, files, tg.padded_vocab(hp))
 
 
 def sampling_device(choice, hp):

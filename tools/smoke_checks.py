@@ -108,10 +108,6 @@ def cosine(a, b):
 
 # ---------------------------------------------------------------------------------------------- sizes
 
-def padded_vocab(hp):
-    return -(-hp.vocab_size // 128) * 128  # as GPT pads its embedding
-
-
 def micro_batch_tokens(hp, world_size=1):
     """Tokens per forward pass at the largest batch size."""
     return tg.tokens_per_rank(max(hp.batch_sizes), world_size, tg.grad_accum_steps(hp, world_size))
@@ -134,7 +130,7 @@ class Size:
 
 
 RECORD_HP = tg.parse_args([])
-RECORD = Size("record", trainer_flags=(), head=(micro_batch_tokens(RECORD_HP), RECORD_HP.model_dim, padded_vocab(RECORD_HP)),
+RECORD = Size("record", trainer_flags=(), head=(micro_batch_tokens(RECORD_HP), RECORD_HP.model_dim, tg.padded_vocab(RECORD_HP)),
               polar_stack=16, attention_tokens=3000, timed_steps=(9, 3), timing_repeats=10,
               # multiples of 16 like the record's matrices, so Triton reuses the kernels it compiled for training
               tile_shape=(208, 80))
