@@ -8,7 +8,7 @@ Any checkpoint of this trainer loads, whatever number of processes wrote it (a c
 model; only its model state is read, see read_model_state). The model runs with the attention windows and
 YaRN state of the checkpoint's step. Generation is incremental (Decoder: the model's own layer functions,
 each position run once, earlier keys and values cached), on --cpu_threads threads (default 1): on 2 CPU
-cores the cpu preset's model writes about 150 tokens/s, its first token about 3 s after the start.
+cores the cpu preset's model writes about 140 tokens/s, its first token about 3 s after the start.
 Sampling is deterministic for a --seed on a given device; the text goes to stdout, tokens/s to stderr.
 Generation stops at the end of a document (<|endoftext|>) or at the model's --max_seq_len.
 
