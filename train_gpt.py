@@ -1459,6 +1459,16 @@ class GPT(nn.Module):
         T = input_seq.numel()
         context = attention_context(self, document_ids(cu_seqlens, T), window_blocks, positions)
         stream = self.embed_input(input_seq, bigram_ids)
+
+        def attend(i, plan, attn_in, added_v, xsa_alpha):
+            return self.layers[i].attend(plan, attn_in, stream.scalars.attn[i], added_v, xsa_alpha,
+                                         context[plan.long_window, plan.paired], self.attention, self.rotary.attn_scale)
+        return self.through_layers(stream, attend)
+
+    def through_layers(self, stream, attend):
+        """The normed last hidden states of a Stream after every layer and the output mix (MUDD, or the backout);
+        attend(i, plan, normed input, what the values get added, XSA alpha) is layer i's attention (trunk's over
+        the sequence; tools/sample.py's over cached keys)."""
         x, skip, backout, last_input = stream.x0, None, None, None
         for i, plan in enumerate(self.plan):
             if plan.skip_in:
@@ -1469,17 +1479,11 @@ class GPT(nn.Module):
             coefs = None
             if plan.attention:
                 x, attn_in, added_v, coefs = self.attention_inputs(i, x, stream, backout)
-                a = self.layers[i].attend(plan, attn_in, stream.scalars.attn[i], added_v,
-                                          self.xsa_alphas[i] if plan.xsa else None,
-                                          context[plan.long_window, plan.paired], self.attention, self.rotary.attn_scale)
+                a = attend(i, plan, attn_in, added_v, self.xsa_alphas[i] if plan.xsa else None)
                 x = attention_residual(plan, i, x, a, stream, coefs)
             x = self.mlp_sublayer(i, x, stream, coefs)
             skip = x if plan.skip_out else skip
             backout = x if plan.backout_out else backout
-        return self.output(x, stream, skip, backout, last_input)
-
-    def output(self, x, stream, skip, backout, last_input):
-        """The normed last hidden states: the last layer's output x mixed with earlier states (MUDD, or backout)."""
         if self.use_mudd:
             out = self.mudd(x, 1, MuddOutputCoefs)
             first_value = stream.values[0] if stream.values else 0
@@ -4033,15 +4037,15 @@ def window_tensors(hp, device):
     return {pair: torch.tensor(pair, dtype=torch.int32, device=device) for pair in pairs}
 
 
-def count_bigram_prior(hp, files, columns, log=None):
-    """--bigram_prior's BigramPrior from every training shard's counts (the trainer counts on the clock, and a
-    resumed run counts again: the prior is not in checkpoints); `columns`: the head's padded vocabulary."""
+def count_bigram_prior(hp, files, log=None):
+    """--bigram_prior's BigramPrior (as wide as the head: padded_vocab) from every training shard's counts (the
+    trainer counts on the clock, and a resumed run counts again: the prior is not in checkpoints)."""
     began = time.perf_counter()
     counts = count_bigrams([read_shard(path, hp.vocab_size) for path in files], hp.vocab_size)
     if log is not None:
         log(f"bigram prior: counted {int(counts.unigrams.sum()):,} training tokens ({counts.pairs.size:,} distinct "
             f"bigrams) in {time.perf_counter() - began:.1f} s")
-    return BigramPrior(counts, hp.bigram_prior, columns)
+    return BigramPrior(counts, hp.bigram_prior, padded_vocab(hp))
 
 
 def open_data(hp, rank, world_size, device, accum, log):
@@ -4286,7 +4290,7 @@ class Trainer:
         self.loader.piece_counts[:] = 0  # the warm-up's pieces are not the run's
         self.clock.start()
         if hp.bigram_prior:
-            self.model.bigram_prior = count_bigram_prior(hp, self.loader.files, self.model.lm_head.weight.size(0), self.log)
+            self.model.bigram_prior = count_bigram_prior(hp, self.loader.files, self.log)
         for step in range(self.step, self.total_steps + 1):
             last = step == self.total_steps
             batch_size, windows = self.schedule(step)  # validation sees step s's windows

@@ -24,6 +24,7 @@ is one line `sample.py: error: ...` on stderr and exit status 2.
 """
 import argparse
 import concurrent.futures
+import functools
 import glob
 import hashlib
 import io
@@ -184,7 +185,7 @@ def count_prior(path, snap, hp):
     if gone:
         raise tg.DataError(f"{path}: its model adds --bigram_prior {hp.bigram_prior:g}, counted from its training "
                            f"shards, and {gone[0]} is not there; run from the folder the training ran in")
-    return tg.count_bigram_prior(hp, files, tg.padded_vocab(hp))
+    return tg.count_bigram_prior(hp, files)
 
 
 def sampling_device(choice, hp):
@@ -253,10 +254,10 @@ def rows_after_the_first(stream):
 
 class Decoder:
     """GPT.trunk and GPT.logits for a sequence that grows by appended positions, each run once: append() runs
-    the new positions through the model's own layer functions, and keeps what later positions read of
-    earlier ones: every attention layer's keys and values, each key-shift layer's last key, the last token
-    (the smear gate, bigram hash and signs read it). Its loop is GPT.trunk's with the attention over cached
-    keys; the head multiplies by a (dim, vocabulary) copy of its weight, which CPU BLAS multiplies by one
+    the new positions through the model's own layers (GPT.through_layers, as GPT.trunk does, with the
+    attention over cached keys), and keeps what later positions read of earlier ones: every attention layer's
+    keys and values, each key-shift layer's last key, the last token (the smear gate, bigram hash and signs
+    read it). The head multiplies by a (dim, vocabulary) copy of its weight, which CPU BLAS multiplies by one
     row several times faster than the (vocabulary, dim) original. Equal to the full forward's logits to fp32
     rounding (tests/test_sample.py)."""
 
@@ -292,22 +293,7 @@ class Decoder:
                                       ).to(self.device) if self.bigram_rows else None
         stream = model.embed_input(inputs, bigram_ids)._replace(lambdas=self.lambdas)
         stream = rows_after_the_first(stream) if lead else stream
-        x, skip, backout, last_input = stream.x0, None, None, None
-        for i, plan in enumerate(model.plan):
-            if plan.skip_in:
-                x = x + stream.skip_scale * skip
-            if plan.scale_before:
-                x = tg.scale_before_layer(plan, i, x, stream)
-            last_input = x if plan.residual == "mudd" else last_input
-            coefs = None
-            if plan.attention:
-                x, attn_in, added_v, coefs = model.attention_inputs(i, x, stream, backout)
-                a = self.attend(i, plan, attn_in, added_v, model.xsa_alphas[i] if plan.xsa else None, start)
-                x = tg.attention_residual(plan, i, x, a, stream, coefs)
-            x = model.mlp_sublayer(i, x, stream, coefs)
-            skip = x if plan.skip_out else skip
-            backout = x if plan.backout_out else backout
-        x = model.output(x, stream, skip, backout, last_input)[-1:]
+        x = model.through_layers(stream, functools.partial(self.attend, start=start))[-1:]
         logits = tg.softcapped(x @ self.head, model.softcap)
         return (logits if model.bigram_prior is None else model.bigram_prior.add_to(logits, inputs[-1:]))[0]
 
