@@ -1,12 +1,12 @@
 """speedrun: train a GPT-2-small-class model on FineWeb to val loss <= 3.28, fast.
 
-One file on purpose: records copy it verbatim. The sections follow one batch: configuration ->
-data (shards, the BOS-aligned loader) -> model (recipe 89's GPT, a LayerPlan per layer) -> head and
-losses (FP8 head, softcapped multi-token loss, FP8 MLP) -> CPU fallbacks (attention and loss chosen once
-in build_model, Polar Express's fp32 path in make_optimizers) -> optimizers (Polar Express, NorMuon,
-DistAdam; make_optimizers) -> track-3 optimizers (Shampoo, SOAP, AdamW, registered in TRACK3_OPTIMIZERS)
--> schedules (Stage) -> run bookkeeping (log, checkpoints, resume checks, signals) -> training loop
-(Trainer) -> main().
+One file on purpose: records copy it verbatim. The pieces come first, the run last, in sections:
+configuration (Hyperparameters, presets, the CLI) -> data (shards, the BOS-aligned loader, validation
+batches, n-gram counts) -> model (recipe 89's GPT, a LayerPlan per layer, built with a Backend) -> head and
+losses (FP8 head, softcapped multi-token loss, FP8 MLP) -> CPU fallbacks and backend_for (which picks a
+device's attention, loss, FP8 and dtypes once) -> optimizers (Polar Express, NorMuon, DistAdam) -> track-3
+optimizers (Shampoo, SOAP, AdamW) -> schedule (Schedule.at(step): one StepPlan per step) -> run bookkeeping
+(log, checkpoints, resume checks, signals) -> training loop (Trainer) -> main().
 Run with `./run.sh` (torchrun over all GPUs) or `python train_gpt.py --preset cpu`.
 Importing this module registers two torch ops (speedrun::mm_fp8 and speedrun::mm_fp8_backward) and
 does nothing else; main() runs only under __main__.
@@ -1317,6 +1317,16 @@ def attention_residual(plan, i, x, a, stream, coefs):
     return add_bigram(x, stream.bigram, lam.bigram[i].type_as(x)) if plan.adds_bigram else x
 
 
+class Backend(NamedTuple):
+    """How a model computes on its device, decided once (backend_for) and handed to GPT, which builds each module
+    with it: nothing rewires a model afterwards."""
+    attention: object  # FlexWindowAttention on a GPU, TiledWindowAttention on a CPU (or a tool's stand-in)
+    head_loss: object  # softcap_cross_entropy on a GPU, chunked_softcap_cross_entropy on a CPU
+    fp8_scales: tuple | None  # the FP8 head's static (x, w, grad) scales (and recipe 89's FP8 MLP); None: no FP8
+    round_sigmoid: bool  # the training softcap's sigmoid rounded to bf16, as record #89's loss kernel (GPU)
+    bf16_params: bool  # embeddings, head, gates and MUDD networks stored in bf16, as the reference (GPU)
+
+
 class GPT(nn.Module):
     """Record #89's model (modded-nanogpt, 2026-07-17): a hashed bigram embedding beside the tied token
     embedding (untied at --untie_stage), gated value embeddings, paired-head attention, gated XSA, a gated
@@ -1324,24 +1334,22 @@ class GPT(nn.Module):
     coefficient networks (last layer and output), a shifted softcap and a multi-token loss. self.plan says
     what each layer does."""
 
-    def __init__(self, hp):
+    def __init__(self, hp, backend, device=None):
+        """Initialized on the CPU (the same weights for any device) and moved to `device` (None: left there);
+        `backend` (backend_for) says how it computes there."""
         super().__init__()
         L, H, hd, D = hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim
         self.roles = layer_roles_of(hp)
         self.plan = layer_plan(hp, self.roles)
         self.num_layers, self.num_heads, self.head_dim = L, H, hd
         self.window_block_tokens = hp.window_block_tokens
-        self.softcap = Softcap(hp.softcap_scale, hp.softcap_offset)
+        self.softcap = Softcap(hp.softcap_scale, hp.softcap_offset, backend.round_sigmoid)
         self.use_mudd = hp.mudd_dim > 0
-        # the GPU paths; build_model swaps in the CPU fallbacks on a CPU
-        self.attention = FlexWindowAttention()
-        self.head_loss = softcap_cross_entropy
-        self.use_fp8 = False  # FP8 head (and MLP) matmuls in training (build_model turns them on where supported)
-        self.bigram_prior = None  # --bigram_prior's BigramPrior (count_bigram_prior; a plain attribute: not model state)
-        self.head_fp8_scales = head_fp8_scales(hp.head_fp8_amax)
-        # the FP8 copies and scales of the MLP weights (used with use_fp8; their scales are in every
-        # checkpoint, so one written on a GPU resumes on a CPU and back)
+        self.attention, self.head_loss, self.fp8_head_scales = backend.attention, backend.head_loss, backend.fp8_scales
+        # the FP8 copies and scales of the MLP weights (their scales are in every checkpoint, so one written on a
+        # GPU resumes on a CPU and back); used in training where the head is in FP8
         self.fp8_mlp = FP8MLPWeights(L, 4 * D, D) if hp.fp8_mlp else None
+        self.mlp_in_fp8 = self.fp8_mlp is not None and backend.fp8_scales is not None
         self.init_embeddings(hp)
         self.smear_gate_w = gate_tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "smear_gate", hp)
         self.skip_gate_w = gate_tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "skip_gate", hp) if hp.skip_gate else None
@@ -1353,6 +1361,12 @@ class GPT(nn.Module):
             self.mudd_w1 = adam_tag(nn.Parameter(w1), "mudd", hp)
             self.mudd_w2 = adam_tag(nn.Parameter(torch.zeros(2, len(MuddLayerCoefs._fields), hp.mudd_dim)), "mudd", hp)
             self.mudd_b2 = adam_tag(nn.Parameter(mudd_bias_init()), "mudd_bias", hp)
+        for p in bf16_params(self) if backend.bf16_params else ():
+            p.data = p.data.to(torch.bfloat16)
+        if device is not None:
+            self.to(device)
+        if self.mlp_in_fp8:
+            self.fp8_mlp.quantize(self.layers, bootstrap=True)
 
     def init_embeddings(self, hp):
         """The head (its weight also the input embedding until the untie step), value embeddings, bigram table."""
@@ -1445,7 +1459,7 @@ class GPT(nn.Module):
 
     def mlp_sublayer(self, i, x, stream, coefs):
         layer = self.layers[i]
-        fp8 = self.fp8_mlp is not None and self.use_fp8 and self.training
+        fp8 = self.mlp_in_fp8 and self.training
         m = self.fp8_mlp(i, norm(x), layer.fc_w, layer.proj_w) if fp8 else layer.mlp(norm(x))
         if self.plan[i].residual == "mudd":
             return coefs.mlp_resid * x + coefs.mlp_out * m
@@ -1493,25 +1507,28 @@ class GPT(nn.Module):
             x = x - stream.scalars.backout * backout
         return norm(x)
 
-    def loss(self, x, input_seq, target_seq, mtp_weights=None, loss_mask=None):
-        """The head's loss on the trunk's output (with the inputs' bigram prior): summed in training (the step's
-        mtp_weights, a piece's loss_mask), the mean next-token loss in evaluation."""
-        prior = {} if self.bigram_prior is None else dict(prior=self.bigram_prior, prev_tokens=input_seq)
-        return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training,
-                              self.head_fp8_scales if self.use_fp8 else None, self.softcap, mtp_weights, loss_mask,
-                              **prior)
+    def loss(self, x, input_seq, target_seq, mtp_weights=None, loss_mask=None, prior=None):
+        """The head's loss on the trunk's output (plus a --bigram_prior's BigramPrior of the inputs): summed in
+        training (the step's mtp_weights, a piece's loss_mask), the mean next-token loss in evaluation."""
+        with_prior = {} if prior is None else dict(prior=prior, prev_tokens=input_seq)
+        return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training, self.fp8_head_scales,
+                              self.softcap, mtp_weights, loss_mask, **with_prior)
 
     def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None, mtp_weights=None,
-                positions=None, loss_mask=None):
+                positions=None, loss_mask=None, prior=None):
         """Loss of one packed sequence (see trunk and loss)."""
         return self.loss(self.trunk(input_seq, cu_seqlens, window_blocks, bigram_ids, positions), input_seq,
-                         target_seq, mtp_weights, loss_mask)
+                         target_seq, mtp_weights, loss_mask, prior)
 
-    def logits(self, input_seq, cu_seqlens, window_blocks, bigram_ids=None):
-        """Softcapped fp32 logits (padded vocabulary, with the bigram prior) of each position."""
+    def logits(self, input_seq, cu_seqlens, window_blocks, bigram_ids=None, prior=None):
+        """Softcapped fp32 logits (padded vocabulary, plus a BigramPrior's rows) of each position."""
         x = self.trunk(input_seq, cu_seqlens, window_blocks, bigram_ids)
         logits = softcapped(head_matmul(x, self.lm_head.weight, None), self.softcap)
-        return logits if self.bigram_prior is None else self.bigram_prior.add_to(logits, input_seq)
+        return logits if prior is None else prior.add_to(logits, input_seq)
+
+    def follow_window(self, window_blocks):
+        """YaRN for the (short, long) windows in blocks the next forwards use (see Rotary.follow_window)."""
+        self.rotary.follow_window(window_blocks[1] * self.window_block_tokens)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1877,7 +1894,7 @@ class FP8MLPWeights(nn.Module):
         return out
 
 # ----------------------------------------------------------------------------------------------
-# CPU fallbacks: tiled SDPA attention and a chunked loss (chosen once in build_model), fp32 Polar Express
+# CPU fallbacks and the Backend: tiled SDPA attention, a chunked loss, fp32 Polar Express; backend_for
 
 # FlexAttention has no CPU backward, so attention runs as tiled SDPA with the same mask; the softcapped loss
 # runs in chunks with its gradients formed on the way; Polar Express runs in fp32 (make_optimizers), as bf16
@@ -2048,40 +2065,34 @@ def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, soft
 CPU_POLAR_EXPRESS = dict(use_triton=False, dtype=torch.float32)
 
 
-def use_cpu_fallbacks(model):
-    model.attention = TiledWindowAttention()
-    model.head_loss = chunked_softcap_cross_entropy
-    model.use_fp8 = False
-    return model
+def uses_fp8(hp, device, fp8_hardware=None):
+    """Whether training runs the head (and recipe 89's MLP) in FP8, the one place it is decided: --fp8, and for auto
+    whether the GPU has FP8 tensor cores (fp8_supported; fp8_hardware says it for a GPU the caller only models)."""
+    if device.type != "cuda":
+        if hp.fp8 == "on":
+            raise ConfigError("--fp8 on needs a CUDA device (the CPU path has no FP8 head); use --fp8 auto or off")
+        return False
+    return hp.fp8 == "on" or (hp.fp8 == "auto" and (fp8_supported(device) if fp8_hardware is None else fp8_hardware))
 
 
-def check_bigram_prior_device(hp, device):
-    if hp.bigram_prior and device.type == "cuda":
+def backend_for(hp, device, accum=1, fp8_hardware=None, attention=None):
+    """The Backend of a run on `device`: on CUDA FlexAttention, the fused softcapped loss, bf16 embeddings and gates
+    and, where uses_fp8 says so, the FP8 head and MLP (its gradient scale divided by `accum`, the accumulation steps,
+    as recipe 89's loss is); on a CPU the fallbacks in fp32. `attention` replaces the attention (the tools' traces)."""
+    if device.type != "cuda":
+        uses_fp8(hp, device)
+        return Backend(attention or TiledWindowAttention(), chunked_softcap_cross_entropy, None, False, False)
+    if hp.bigram_prior:
         raise ConfigError("--bigram_prior needs the CPU loss path (the GPU losses add no prior); use --device cpu or "
                           "--bigram_prior 0")
-
-
-def check_fp8_device(hp, device):
-    if hp.fp8 == "on" and device.type != "cuda":
-        raise ConfigError("--fp8 on needs a CUDA device (the CPU path has no FP8 head); use --fp8 auto or off")
-
-
-def new_model(hp):
-    """The recipe's model, on the CPU, in fp32, with the GPU paths."""
-    return GPT(hp)
+    fp8 = uses_fp8(hp, device, fp8_hardware)
+    return Backend(attention or FlexWindowAttention(compile_kernel=not hp.compile), softcap_cross_entropy,
+                   head_fp8_scales(hp.head_fp8_amax, accum) if fp8 else None, True, True)
 
 
 def build_model(hp, device, accum=1):
-    """The model on `device`: the GPU paths (bf16 embeddings and gates as in the reference; FP8 head, and
-    recipe 89's FP8 MLP, where supported or forced) on CUDA, the CPU fallbacks (fp32) on a CPU. `accum`
-    (gradient accumulation steps) scales recipe 89's FP8 gradient cast as its loss is scaled."""
-    check_fp8_device(hp, device)
-    check_bigram_prior_device(hp, device)
-    model = new_model(hp).to(device)
-    if device.type != "cuda":
-        return use_cpu_fallbacks(model)
-    return use_gpu_paths(model, hp, hp.fp8 == "on" or (hp.fp8 == "auto" and fp8_supported(device)),
-                         FlexWindowAttention(compile_kernel=not hp.compile), accum)
+    """The recipe's model on `device`, with backend_for's paths."""
+    return GPT(hp, backend_for(hp, device, accum), device)
 
 
 def bf16_params(model):
@@ -2089,20 +2100,6 @@ def bf16_params(model):
     networks (the hidden matrices stay fp32 masters, and the lambdas fp32)."""
     fp32_groups = ("scalars", "resid_lambdas", "lambdas")
     return [p for p in model.parameters() if (p.optimizer == "adam" and p.label not in fp32_groups) or p.label == "gate"]
-
-
-def use_gpu_paths(model, hp, use_fp8, attention, accum=1):
-    """The GPU paths: bf16 embeddings and gates (as in the reference), the FP8 head (and recipe 89's FP8
-    MLP) if use_fp8, `attention`; `accum` scales recipe 89's FP8 gradient cast as its loss is scaled."""
-    for p in bf16_params(model):
-        p.data = p.data.to(torch.bfloat16)
-    model.use_fp8 = use_fp8
-    model.attention = attention
-    model.head_fp8_scales = head_fp8_scales(hp.head_fp8_amax, accum)
-    model.softcap = model.softcap._replace(round_sigmoid=True)
-    if use_fp8 and model.fp8_mlp is not None:
-        model.fp8_mlp.quantize(model.layers, bootstrap=True)
-    return model
 
 # ----------------------------------------------------------------------------------------------
 # Optimizers: Polar Express (Triton kernels on GPU), NorMuon, sharded DistAdam, and the record's wiring
@@ -2767,13 +2764,13 @@ def make_optimizers(model, hp, compile_math=None):
                    polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS, compile_math=compile_math), adam
 
 
-def step_optimizers(step, matrix_opt, adam, untie_at=None):
-    """The matrix optimizer every step; DistAdam on odd steps (its gradients accumulate over two steps),
-    untying the embedding from the head after the step `untie_at`. Every reduce-scatter starts first
+def step_optimizers(plan, matrix_opt, adam):
+    """The matrix optimizer every step; DistAdam at the StepPlan's Adam steps (odd steps: its gradients accumulate
+    over two steps), untying the embedding from the head after the step the plan says. Every reduce-scatter starts first
     (DistAdam's small ones, then the matrix optimizer's, smallest group first); then the matrix
     optimizer's updates, each group's overlapping the later groups' reductions; then DistAdam's,
     overlapping the matrix optimizer's all-gathers."""
-    optimizers = ([adam] if adam_steps_at(step) else []) + [matrix_opt]
+    optimizers = ([adam] if plan.adam_step else []) + [matrix_opt]
     for optimizer in optimizers:
         optimizer.reduce_grads()
     for optimizer in reversed(optimizers):
@@ -2781,7 +2778,7 @@ def step_optimizers(step, matrix_opt, adam, untie_at=None):
     for optimizer in optimizers:
         optimizer.finish()
         optimizer.zero_grad()
-    if adam_steps_at(step) and step == untie_at:
+    if plan.unties_after:
         adam.untie()
 
 
@@ -3154,7 +3151,7 @@ def make_track3_optimizer(name, params, hp):
     return cls(params, **{argument: getattr(hp, flag) for argument, flag in flags.items()})
 
 # ----------------------------------------------------------------------------------------------
-# Schedules: the Stages and everything that changes with the step (record: 1380 steps in thirds + 10)
+# Schedule: the Stages, and Schedule.at(step): everything that changes with the step (record: 1380 in thirds + 10)
 
 
 # The float expressions below follow the reference recipes' schedule functions operation for
@@ -3195,99 +3192,101 @@ def stages(hp):
                   (*mtp_start, mtp_end[-1])[k], (*mtp_end, mtp_end[-1])[k]) for k in range(4)]
 
 
-def stage_at(step, hp):
-    """0, 1, 2 for the thirds of the scheduled steps, 3 for the extension."""
-    if step >= hp.num_scheduled_iterations:
-        return 3
-    return next(stage for stage, end in enumerate(stage_ends(hp)) if step < end)
+class StepPlan(NamedTuple):
+    """Everything one step needs that changes with the step (Schedule.at)."""
+    step: int
+    stage: int  # 0-2: the thirds of the scheduled steps, 3: the extension (also the final step's)
+    batch_tokens: int
+    max_seq_len: int  # the longest document piece
+    windows: tuple  # (short, long) attention windows in blocks
+    window_tensor: Tensor | None  # the same on the run's device (the compiled model takes windows as data)
+    val_window_tensor: Tensor | None  # the windows a validation at this step uses: the final validation's at the end
+    lr_multiplier: float
+    momentum: float  # NorMuon's
+    mtp_weights: Tensor | None  # loss weights of the next 3 tokens (None: the next-token loss)
+    adam_step: bool  # DistAdam updates at this step (odd steps; its gradients accumulate over two)
+    unties_after: bool  # the embedding leaves the head after this step's optimizer step
 
 
-def stage_of(step, hp):
-    """The Stage `step` belongs to (the final step: the extension's)."""
-    return stages(hp)[stage_at(step, hp)]
+class Schedule:
+    """The run's schedule, built once from the flags: its Stages, and at(step), the StepPlan of a step. The float
+    expressions follow the reference's schedule functions operation for operation (bit-identical values). With a
+    device, every window pair and the multi-token weights of every step are device tensors made here, once, so no
+    step copies them and no window change recompiles (without one, at() has no window tensors and makes the
+    multi-token weights on the CPU)."""
+
+    def __init__(self, hp, device=None):
+        self.hp, self.stages = hp, stages(hp)
+        self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
+        # the first odd step of --untie_stage: an Adam step, which still updates the embedding and head tied
+        self.untie_step = None if hp.untie_stage < 0 else self.stages[hp.untie_stage].first_step | 1
+        # the final validation widens only the long window (no YaRN); the short one stays at the extension's
+        self.final_windows = (hp.extension_window_blocks // 2, hp.final_val_window_blocks)
+        self.multi_token = any(w for k, w in enumerate(hp.mtp_weights_start + hp.mtp_weights_end) if k % MTP_HORIZON)
+        self._on_device, self._mtp = {}, None
+        if device is not None:
+            pairs = {stage.window_blocks for stage in self.stages} | {self.final_windows}
+            self._on_device = {pair: torch.tensor(pair, dtype=torch.int32, device=device) for pair in pairs}
+            if self.multi_token:
+                self._mtp = torch.tensor([self.mtp_weights(step) for step in range(self.total_steps + 1)], device=device)
+
+    def stage_index(self, step):
+        """0, 1, 2 for the thirds of the scheduled steps, 3 for the extension (and the final step)."""
+        return next((k for k, stage in enumerate(self.stages[:3]) if step < stage.end_step), 3)
+
+    def stage_first_steps(self):
+        """The first step of every stage that has steps (what the compile warm-up visits)."""
+        return sorted({stage.first_step for stage in self.stages if stage.first_step < stage.end_step})
+
+    def lr_multiplier(self, step):
+        """The stage's multiplier (switching with the batch size), then a linear cooldown from step
+        int(n (1 - cooldown_frac)) to final_lr_multiplier at step n, which also holds during the extension."""
+        hp, n = self.hp, self.hp.num_scheduled_iterations
+        multiplier = self.stages[self.stage_index(step)].lr_multiplier
+        cooldown_start = int(n * (1 - hp.cooldown_frac))
+        if step >= cooldown_start:
+            t = min(1.0, (step - cooldown_start) / (n - cooldown_start)) if n > cooldown_start else 1.0
+            multiplier = multiplier * (1 - t) + hp.final_lr_multiplier * t
+        return multiplier
+
+    def momentum(self, step):
+        """NorMuon's momentum: linear warm-up from start to end value; back to the start value over the final steps."""
+        hp = self.hp
+        low, high = hp.muon_momentum
+        cooldown_start = self.total_steps - hp.muon_momentum_cooldown_steps
+        if step < hp.muon_momentum_warmup_steps:
+            return low + step / hp.muon_momentum_warmup_steps * (high - low)
+        if step > cooldown_start:
+            return high - (step - cooldown_start) / hp.muon_momentum_cooldown_steps * (high - low)
+        return high
+
+    def mtp_weights(self, step):
+        """The loss weights of the next 3 tokens at `step`: linear within each stage from its start to its end
+        values; the extension (and the final step) keep the last stage's end values."""
+        stage = self.stages[self.stage_index(step)]
+        if stage.first_step == self.hp.num_scheduled_iterations:
+            return stage.mtp_end
+        t = (step - stage.first_step) / (stage.end_step - stage.first_step)
+        return tuple(a + (b - a) * t for a, b in zip(stage.mtp_start, stage.mtp_end))
+
+    def at(self, step):
+        stage = self.stage_index(step)
+        windows = self.stages[stage].window_blocks
+        val_windows = self.final_windows if step == self.total_steps else windows
+        adam_step = step % 2 == 1
+        mtp = None if not self.multi_token else torch.tensor(self.mtp_weights(step)) if self._mtp is None else \
+            self._mtp[step]
+        return StepPlan(step, stage, self.stages[stage].batch_tokens, self.stages[stage].max_seq_len, windows,
+                        self._on_device.get(windows), self._on_device.get(val_windows), self.lr_multiplier(step),
+                        self.momentum(step), mtp, adam_step, adam_step and step == self.untie_step)
 
 
-def max_seq_len_at(step, hp):
-    return stage_of(step, hp).max_seq_len
-
-
-def batch_size_at(step, hp):
-    return stage_of(step, hp).batch_tokens
-
-
-def window_blocks_at(step, hp):
-    """(short, long) attention windows in blocks."""
-    return stage_of(step, hp).window_blocks
-
-
-def final_window_blocks(hp):
-    """The final validation widens only the long window (no YaRN); the short one stays at the extension's."""
-    return hp.extension_window_blocks // 2, hp.final_val_window_blocks
-
-
-def lr_multiplier_at(step, hp):
-    """The stage's multiplier (switching with the batch size), then a linear cooldown from step
-    int(n (1 - cooldown_frac)) to final_lr_multiplier at step n, which also holds during the extension."""
-    n = hp.num_scheduled_iterations
-    multiplier = stage_of(step, hp).lr_multiplier
-    cooldown_start = int(n * (1 - hp.cooldown_frac))
-    if step >= cooldown_start:
-        t = min(1.0, (step - cooldown_start) / (n - cooldown_start)) if n > cooldown_start else 1.0
-        multiplier = multiplier * (1 - t) + hp.final_lr_multiplier * t
-    return multiplier
-
-
-def muon_momentum_at(step, hp):
-    """Linear warm-up from start to end value; back to the start value over the final steps."""
-    low, high = hp.muon_momentum
-    cooldown_start = hp.num_scheduled_iterations + hp.num_extension_iterations - hp.muon_momentum_cooldown_steps
-    if step < hp.muon_momentum_warmup_steps:
-        return low + step / hp.muon_momentum_warmup_steps * (high - low)
-    if step > cooldown_start:
-        return high - (step - cooldown_start) / hp.muon_momentum_cooldown_steps * (high - low)
-    return high
-
-
-def adam_steps_at(step):
-    """DistAdam updates on odd steps only; its gradients accumulate over the two steps."""
-    return step % 2 == 1
-
-
-def multi_token_prediction(hp):
-    """Whether the loss weighs tokens beyond the next one at any stage (else: the plain next-token loss)."""
-    return any(w for k, w in enumerate(hp.mtp_weights_start + hp.mtp_weights_end) if k % MTP_HORIZON)
-
-
-def mtp_weights_at(step, hp):
-    """The loss weights of the next 3 tokens at `step`: linear within each stage from its start to its
-    end values; the extension (and the final step) keep the last stage's end values."""
-    stage = stage_of(step, hp)
-    if stage.first_step == hp.num_scheduled_iterations:
-        return stage.mtp_end
-    t = (step - stage.first_step) / (stage.end_step - stage.first_step)
-    return tuple(a + (b - a) * t for a, b in zip(stage.mtp_start, stage.mtp_end))
-
-
-def untie_step(hp):
-    """The step after whose optimizer step the embedding leaves the head: the first odd step of
-    --untie_stage (an Adam step, which still updates them tied); None if they stay tied."""
-    return None if hp.untie_stage < 0 else stages(hp)[hp.untie_stage].first_step | 1
-
-
-def stage_first_steps(hp):
-    """The first step of every stage that has steps (what the compile warm-up visits)."""
-    return sorted({stage.first_step for stage in stages(hp) if stage.first_step < stage.end_step})
-
-
-def apply_schedule(step, hp, model, *optimizers):
-    """Set what changes with the step: each optimizer's lr multiplier and momentum (set_schedule) and YaRN
-    on the model's rotary embedding. Returns (batch size, windows)."""
-    lr_multiplier, momentum = lr_multiplier_at(step, hp), muon_momentum_at(step, hp)
+def start_step(plan, model, *optimizers):
+    """Set what changes with the step: each optimizer's lr multiplier and momentum (set_schedule) and YaRN on the
+    model's rotary embedding."""
     for optimizer in optimizers:
-        optimizer.set_schedule(lr_multiplier, momentum)
-    windows = window_blocks_at(step, hp)
-    model.rotary.follow_window(windows[1] * hp.window_block_tokens)
-    return batch_size_at(step, hp), windows
+        optimizer.set_schedule(plan.lr_multiplier, plan.momentum)
+    model.follow_window(plan.windows)
 
 # ----------------------------------------------------------------------------------------------
 # Run bookkeeping: the log and run lock, checkpoints and resume checks, ranks, stop signals, profiler
@@ -3732,7 +3731,6 @@ def setup_distributed(hp):
     else:
         device = torch.device("cpu")
         torch.set_num_threads(hp.cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
-    check_fp8_device(hp, device)  # before any log or work: also with --device auto on a machine without CUDA
     if world_size > 1:
         # the first compile on 8 ranks can keep a rank from the next collective for many minutes
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30),
@@ -3955,7 +3953,7 @@ class Preempted(Exception):
 def checkpoint_complete_after(steps_done):
     """Whether a checkpoint after `steps_done` steps holds the whole optimizer state: DistAdam's gradients
     accumulate from an even step to the odd step where it updates, and checkpoints hold no gradients."""
-    return steps_done == 0 or adam_steps_at(steps_done - 1)
+    return steps_done % 2 == 0
 
 
 def write_checkpoint(path, snap, required, log):
@@ -3986,7 +3984,7 @@ def micro_step_pieces(hp, world_size, accum):
     """[(tokens of a micro-step per rank, the positions of each forward it runs as)] of the run's stages, each
     pair once (one compiled length each)."""
     pairs = []
-    for stage in stages(hp)[:3]:
+    for stage in Schedule(hp).stages[:3]:
         tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
         pair = (tokens, padded_piece_length(tokens, piece_cap(hp), stage.max_seq_len))
         if pair not in pairs:
@@ -4030,13 +4028,6 @@ def check_batch_splits(hp, world_size, accum):
     tokens_per_rank(hp.val_batch_size, world_size, accum, what="--val_batch_size")
 
 
-def window_tensors(hp, device):
-    """Every (short, long) window pair of the run as a device tensor, made once: the compiled model
-    takes the windows as data, so no window change recompiles and no step copies them."""
-    pairs = {window_blocks_at(step, hp) for step in stage_first_steps(hp)} | {final_window_blocks(hp)}
-    return {pair: torch.tensor(pair, dtype=torch.int32, device=device) for pair in pairs}
-
-
 def count_bigram_prior(hp, files, log=None):
     """--bigram_prior's BigramPrior (as wide as the head: padded_vocab) from every training shard's counts (the
     trainer counts on the clock, and a resumed run counts again: the prior is not in checkpoints)."""
@@ -4067,29 +4058,21 @@ def open_data(hp, rank, world_size, device, accum, log):
     return loader, val_tokens, sorted(glob.glob(val_pattern))
 
 
-def start_model(hp, device, world_size, accum):
+def start_model(hp, backend, device, world_size):
     """(model, its forward: compiled on CUDA) from --seed, the same on every rank (rank 0's weights and
     buffers, such as the bigram signs, are broadcast)."""
     torch.manual_seed(hp.seed)
-    model = build_model(hp, device, accum)
+    model = GPT(hp, backend, device)
     if world_size > 1:  # what a checkpoint holds; the FP8 MLP copies (gloo has no float8) are made again
         for t in model.state_dict().values():
             if isinstance(t, Tensor):
                 dist.broadcast(t, 0)
-        if getattr(model, "fp8_mlp", None) is not None and model.use_fp8:
+        if model.mlp_in_fp8:
             model.fp8_mlp.requantize(model.layers)
     if device.type == "cuda" and hp.compile:
         torch._dynamo.config.cache_size_limit = 64
         return model, torch.compile(model, dynamic=False, fullgraph=True)
     return model, model
-
-
-def mtp_weight_table(hp, device):
-    """Every step's multi-token weights as one device tensor (indexed without a host-device copy), or
-    None for the next-token loss."""
-    steps = hp.num_scheduled_iterations + hp.num_extension_iterations + 1
-    return torch.tensor([mtp_weights_at(step, hp) for step in range(steps)], device=device) \
-        if multi_token_prediction(hp) else None
 
 
 def synchronize(device):
@@ -4133,6 +4116,7 @@ class Trainer:
         self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0)
         with failing_together(self.device):  # everything that can be wrong with the input, before any work
             self.accum = grad_accum_steps(hp, self.world_size)
+            self.backend = backend_for(hp, self.device, self.accum)  # the device's paths (FP8 or not), decided once
             check_batch_splits(hp, self.world_size, self.accum)
             if self.rank == 0 and hp.run_id and lifetime is not None:  # (a fresh uuid needs no lock)
                 lifetime.enter_context(RunLock(self.log.path.parent / f"{self.run_id}.lock", hp.log_dir))
@@ -4148,56 +4132,57 @@ class Trainer:
                                         self.resume_from["step"] if self.resume_from else 0))
         for warning in restart_warnings(hp):
             self.log(f"warning: {warning}")
-        self.model, self.forward = start_model(hp, self.device, self.world_size, self.accum)
-        self.fp8_mlp = self.model.fp8_mlp if self.model.use_fp8 else None
+        self.model, self.forward = start_model(hp, self.backend, self.device, self.world_size)
+        self.fp8_mlp = self.model.fp8_mlp if self.model.mlp_in_fp8 else None
         self.matrix_opt, self.adam = make_optimizers(self.model, hp)
-        self.windows = window_tensors(hp, self.device)
-        self.untie_at, self.mtp_weights = untie_step(hp), mtp_weight_table(hp, self.device)
+        self.schedule = Schedule(hp, self.device)
+        self.prior = None  # --bigram_prior's BigramPrior, counted at the start of the timed loop
         self.stats, self.clock = RunStats(self.device), TrainClock(self.device)
         self.profiler = StepProfiler(hp, self.run_id, self.total_steps, self.log)
         self.step, self.tokens_seen = 0, 0
         with failing_together(self.device):
             self.log.open(continuing)
 
-    def schedule(self, step):
-        """Set step's lr, momentum and YaRN state; returns its (batch size, windows)."""
-        return apply_schedule(step, self.hp, self.model, self.matrix_opt, self.adam)
+    def begin_step(self, step):
+        """The StepPlan of `step`, with its lr, momentum and YaRN state set."""
+        plan = self.schedule.at(step)
+        start_step(plan, self.model, self.matrix_opt, self.adam)
+        return plan
 
-    def train_step(self, step, batch_size, windows):
-        """One optimizer step of `batch_size` tokens (as scheduled for `step`): `accum` micro-batches
-        forward and backward (each in pieces of at most --micro_batch_tokens), the optimizers. Returns [the
-        step's loss, the ranks that got a stop signal] as a device tensor, summed over ranks once
-        self.reduction (async; None alone) is waited for; no host-device synchronization happens inside."""
-        rank_tokens = tokens_per_rank(batch_size, self.world_size, self.accum)
+    def train_step(self, plan):
+        """One optimizer step as `plan` (begin_step) says: `accum` micro-batches forward and backward (each in
+        pieces of at most --micro_batch_tokens), the optimizers. Returns ([the step's loss, the ranks that got a
+        stop signal] as a device tensor, the async all-reduce that sums it over the ranks, or None alone); no
+        host-device synchronization happens inside."""
+        rank_tokens = tokens_per_rank(plan.batch_tokens, self.world_size, self.accum)
         self.model.train()
-        mtp = None if self.mtp_weights is None else self.mtp_weights[step]
         totals = torch.zeros(2, device=self.device)
         total, stop_votes = totals.unbind()
         for _ in range(self.accum):
             # the training loss is a sum over tokens, so the pieces' losses add up to the micro-step's
-            for batch in self.loader.next_pieces(rank_tokens, max_seq_len_at(step, self.hp), piece_cap(self.hp)):
-                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, self.windows[windows],
-                                    batch.bigram_ids, mtp, batch.positions, batch.loss_mask) / self.accum
+            for batch in self.loader.next_pieces(rank_tokens, plan.max_seq_len, piece_cap(self.hp)):
+                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, plan.window_tensor, batch.bigram_ids,
+                                    plan.mtp_weights, batch.positions, batch.loss_mask, self.prior) / self.accum
                 loss.backward()
                 total += loss.detach()
         if self.stop.received:
             stop_votes += 1
-        step_optimizers(step, self.matrix_opt, self.adam, self.untie_at)
+        step_optimizers(plan, self.matrix_opt, self.adam)
         if self.fp8_mlp is not None:
-            self.fp8_mlp.quantize(self.model.layers, bootstrap=step < FP8MLPWeights.BOOTSTRAP_STEPS)
+            self.fp8_mlp.quantize(self.model.layers, bootstrap=plan.step < FP8MLPWeights.BOOTSTRAP_STEPS)
+        self.tokens_seen += rank_tokens * self.accum * self.world_size
         # one all-reduce, after the optimizers' collectives (it would hold them up before): a non-finite
         # loss or a stop signal on any rank stops every rank at the same step
-        self.reduction = dist.all_reduce(totals, async_op=True) if self.world_size > 1 else None
-        self.tokens_seen += rank_tokens * self.accum * self.world_size
-        return totals
+        return totals, dist.all_reduce(totals, async_op=True) if self.world_size > 1 else None
 
     @torch.no_grad()
     def validate(self, windows):
-        """Mean loss over the validation tokens, all ranks together, with the given (short, long) windows."""
+        """Mean loss over the validation tokens, all ranks together, with the given windows (a StepPlan's tensor)."""
         hp = self.hp
         self.model.eval()
         with self.stats.eval_memory():
-            losses = [self.forward(batch.inputs, batch.targets, batch.cu_seqlens, self.windows[windows], batch.bigram_ids)
+            losses = [self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids,
+                                   prior=self.prior)
                       for batch in validation_batches(self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank,
                                                       self.world_size, self.accum, self.device, hp.bigram_vocab_size)]
             loss = torch.stack(losses).mean()
@@ -4252,11 +4237,12 @@ class Trainer:
     def warm_up(self):
         """Compile every batch-size/window variant and the validation pass, then undo it all."""
         initial = self.snapshot()
-        for first in stage_first_steps(self.hp):
+        for first in self.schedule.stage_first_steps():
             for step in range(first, first + self.hp.warmup_steps):
-                self.train_step(step, *self.schedule(step))
-        self.validate(window_blocks_at(self.total_steps, self.hp))
-        self.validate(final_window_blocks(self.hp))
+                self.train_step(self.begin_step(step))
+        last = self.schedule.at(self.total_steps)
+        self.validate(last.window_tensor)
+        self.validate(last.val_window_tensor)
         self.restore(initial)
         self.model.rotary.reset()
         synchronize(self.device)
@@ -4290,22 +4276,22 @@ class Trainer:
         self.loader.piece_counts[:] = 0  # the warm-up's pieces are not the run's
         self.clock.start()
         if hp.bigram_prior:
-            self.model.bigram_prior = count_bigram_prior(hp, self.loader.files, self.log)
+            self.prior = count_bigram_prior(hp, self.loader.files, self.log)
         for step in range(self.step, self.total_steps + 1):
             last = step == self.total_steps
-            batch_size, windows = self.schedule(step)  # validation sees step s's windows
+            plan = self.begin_step(step)
             if last or (hp.val_loss_every and step % hp.val_loss_every == 0):
                 with self.clock.paused():
-                    val_losses.append((step, self.validate(final_window_blocks(hp) if last else windows)))
+                    val_losses.append((step, self.validate(plan.val_window_tensor)))
                     self.log_step(step, val_losses[-1][1])
             if last:
                 break
             self.profiler.at(step, self.rank)
-            stopping |= loss_check.push(step, self.train_step(step, batch_size, windows), self.reduction)
+            stopping |= loss_check.push(step, *self.train_step(plan))
             self.step = step + 1
             self.log_step(self.step)
-            if self.step == self.total_steps or stage_at(self.step, hp) != stage_at(step, hp):
-                self.log_pieces(stage_at(step, hp))
+            if self.step == self.total_steps or self.schedule.stage_index(self.step) != plan.stage:
+                self.log_pieces(plan.stage)
             if stopping and checkpoint_complete_after(self.step):
                 loss_check.finish()
                 with self.clock.paused():

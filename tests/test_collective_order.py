@@ -53,7 +53,7 @@ def one_step(rank, init_file, out_dir):
         try:
             dist.reduce_scatter_tensor = recording(events, "reduce_scatter", originals["reduce_scatter_tensor"])
             dist.all_gather_into_tensor = recording(events, "all_gather", originals["all_gather_into_tensor"])
-            tg.step_optimizers(1, matrix_opt, adam)  # an odd step: DistAdam steps too
+            tg.step_optimizers(tg.Schedule(hp).at(1), matrix_opt, adam)  # an odd step: DistAdam steps too
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)

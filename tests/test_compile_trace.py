@@ -63,7 +63,9 @@ def batch(tokens, hp, window_pair, docs=7):
 def training_shapes(hp):
     """(step, per-rank tokens) at each stage's first step."""
     accum = tg.grad_accum_steps(hp, WORLD)
-    return [(step, tg.tokens_per_rank(tg.batch_size_at(step, hp), WORLD, accum)) for step in tg.stage_first_steps(hp)]
+    schedule = tg.Schedule(hp)
+    return [(step, tg.tokens_per_rank(schedule.at(step).batch_tokens, WORLD, accum))
+            for step in schedule.stage_first_steps()]
 
 
 class CausalStandIn:
@@ -79,9 +81,12 @@ class CausalStandIn:
 
 
 def record_model(hp, attention):
+    """The record's model with the backend of an FP8 GPU (modelled), `attention` standing in for FlexAttention's kernel."""
+    backend = tg.backend_for(hp, torch.device("cuda"), tg.grad_accum_steps(hp, WORLD), fp8_hardware=True,
+                             attention=attention)
     with torch.device("cpu"):
-        model = tg.use_gpu_paths(tg.new_model(hp), hp, True, attention, tg.grad_accum_steps(hp, WORLD))
-    assert model.head_loss is tg.softcap_cross_entropy and model.fp8_mlp is not None
+        model = tg.GPT(hp, backend)
+    assert model.head_loss is tg.softcap_cross_entropy and model.mlp_in_fp8
     return model
 
 
@@ -91,15 +96,15 @@ def test_record_model_traces_without_breaks_into_four_graphs():
     model = record_model(hp, tg.FlexWindowAttention())
     graphs = []
     compiled = torch.compile(model, backend=recording_backend(graphs), dynamic=False, fullgraph=True)
-    mtp = tg.mtp_weight_table(hp, torch.device("cpu"))
+    schedule = tg.Schedule(hp, torch.device("cpu"))
     model.train()
     for step, tokens in training_shapes(hp):
         with torch.no_grad():  # FlexAttention refuses to trace a CPU backward; the forward graph is the same
-            compiled(*batch(tokens, hp, tg.window_blocks_at(step, hp)), mtp[step])
+            compiled(*batch(tokens, hp, schedule.at(step).windows), schedule.at(step).mtp_weights)
     val_tokens = tg.tokens_per_rank(hp.val_batch_size, WORLD, tg.grad_accum_steps(hp, WORLD))
     model.eval()
     with torch.no_grad():
-        for pair in [tg.window_blocks_at(step, hp) for step in tg.stage_first_steps(hp)] + [tg.final_window_blocks(hp)]:
+        for pair in [schedule.at(step).windows for step in schedule.stage_first_steps()] + [schedule.final_windows]:
             compiled(*batch(val_tokens, hp, pair))
     lengths = {tokens for _, tokens in training_shapes(hp)}
     assert sorted(lengths) == [16384, 32768, 49152] and val_tokens == 262144
@@ -114,10 +119,10 @@ def test_record_model_backward_traces_without_graph_breaks_at_every_stage():
     forward_graphs, backward_graphs = [], []
     compiled = torch.compile(model, backend=joint_recording_backend(forward_graphs, backward_graphs),
                              dynamic=False, fullgraph=True)
-    mtp = tg.mtp_weight_table(hp, torch.device("cpu"))
+    schedule = tg.Schedule(hp, torch.device("cpu"))
     model.train()
     for step, tokens in training_shapes(hp):
-        loss = compiled(*batch(tokens, hp, tg.window_blocks_at(step, hp)), mtp[step])
+        loss = compiled(*batch(tokens, hp, schedule.at(step).windows), schedule.at(step).mtp_weights)
         loss.backward()
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert len(forward_graphs) == len(backward_graphs) == 3, (len(forward_graphs), len(backward_graphs))

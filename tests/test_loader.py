@@ -407,21 +407,23 @@ def test_tiny_model_learns_synthetic_corpus(tmp_path, one_thread):
     def val_loss():
         model.eval()
         with torch.no_grad():
-            losses = [model(lut[x.long()], lut[y], cu, tg.final_window_blocks(hp)).item()
+            losses = [model(lut[x.long()], lut[y], cu, schedule.final_windows).item()
                       for x, y, cu, *_ in tg.validation_batches(val_tokens, 8192, 1024, 0, 1, 1, CPU)]
         model.train()
         return sum(losses) / len(losses)
 
+    schedule = tg.Schedule(hp)
     start = time.perf_counter()
     initial = val_loss()
     train_losses = []
     for step in range(steps):  # Trainer.train_step with one micro-step, on remapped ids
-        batch_size, windows = tg.apply_schedule(step, hp, model, muon, adam)
-        x, y, cu, *_ = loader.next_batch(batch_size, hp.max_seq_len)
-        loss = model(lut[x.long()], lut[y], cu, windows)
+        plan = schedule.at(step)
+        tg.start_step(plan, model, muon, adam)
+        x, y, cu, *_ = loader.next_batch(plan.batch_tokens, hp.max_seq_len)
+        loss = model(lut[x.long()], lut[y], cu, plan.windows)
         loss.backward()
         train_losses.append(loss.item() / batch)
-        tg.step_optimizers(step, muon, adam)
+        tg.step_optimizers(plan, muon, adam)
     loader.close()
     final = val_loss()
     elapsed = time.perf_counter() - start

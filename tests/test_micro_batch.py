@@ -103,7 +103,7 @@ def _cpu_model(vocab=None, seed=0):
     if vocab:
         hp = dataclasses.replace(hp, vocab_size=vocab, bigram_vocab_size=15 * vocab)
     torch.manual_seed(seed)
-    model = tg.use_cpu_fallbacks(tg.new_model(hp)).train()
+    model = tg.build_model(hp, CPU).train()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
@@ -149,9 +149,9 @@ def _pieces(window, lengths, bigram_ids, cap, previous_token_only=False):
 def _gradients(model, hp, pieces):
     """{parameter name: gradient} of the micro-step run as `pieces` at step 0 (windows, multi-token weights)."""
     model.zero_grad()
-    mtp = torch.tensor(tg.mtp_weights_at(0, hp))
+    plan = tg.Schedule(hp).at(0)
     for piece in pieces:
-        model(piece.inputs, piece.targets, piece.cu_seqlens, tg.window_blocks_at(0, hp), piece.bigram_ids, mtp,
+        model(piece.inputs, piece.targets, piece.cu_seqlens, plan.windows, piece.bigram_ids, plan.mtp_weights,
               piece.positions, piece.loss_mask).backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -306,7 +306,7 @@ def test_a_step_in_pieces_has_the_uncut_step_loss(corpus, tmp_path, restore_thre
             for layer in trainer.model.layers:
                 if hasattr(layer, "vo_w"):
                     layer.vo_w[layer.vo_w.size(0) // 2:].zero_()  # [V; O]: the output projection
-        losses.append(trainer.train_step(0, *trainer.schedule(0))[0].item())
+        losses.append(trainer.train_step(trainer.begin_step(0))[0][0].item())
         trainer.loader.close()
     print("step loss uncut, in pieces:", losses)
     assert abs(losses[1] - losses[0]) <= math.sqrt(512) * FP32_UNIT_ROUNDOFF * losses[0]

@@ -36,12 +36,18 @@ def _small_hp(vocab=1024, layers=9, block_tokens=16, **changes):
     return dataclasses.replace(tg.parse_args(["--preset", "cpu"]), **{**small, **changes})
 
 
-def _small_model(vocab=1024, layers=9, seed=0, block_tokens=16, randomize=True, **changes):
-    """A 9-layer dim-64 model of the recipe. randomize=True also fills the weights that start at zero or
+def _small_model(vocab=1024, layers=9, seed=0, block_tokens=16, randomize=True, attention=None, head_loss=None,
+                 fp8_scales=None, **changes):
+    """A 9-layer dim-64 model of the recipe, built with the CPU's backend or with the given attention, head loss
+    (e.g. the GPU path's) and FP8 head scales. randomize=True also fills the weights that start at zero or
     nearly (MLP proj, value embeddings, gates, bigram table, MUDD's second layer, smear/x0 lambdas): at init
     they make many paths carry nothing, which would make the causality/isolation tests vacuous."""
     torch.manual_seed(seed)
-    model = tg.use_cpu_fallbacks(tg.GPT(_small_hp(vocab, layers, block_tokens, **changes)))
+    hp = _small_hp(vocab, layers, block_tokens, **changes)
+    backend = tg.backend_for(hp, torch.device("cpu"))
+    backend = backend._replace(attention=attention or backend.attention, head_loss=head_loss or backend.head_loss,
+                               fp8_scales=fp8_scales)
+    model = tg.GPT(hp, backend)
     if randomize:
         g = _gen(seed + 1)
         with torch.no_grad():
@@ -67,10 +73,9 @@ def _forward(model, inputs, targets, cu_seqlens, windows, mtp=None):
     return model(inputs, targets, cu_seqlens, windows, _bigram_ids(model, inputs), mtp)
 
 
-def _logits(model, inputs, cu_seqlens, windows, attention):
+def _logits(model, inputs, cu_seqlens, windows):
     """Per-position softcapped logits of an eval-mode forward pass."""
     model.eval()
-    model.attention = attention
     with torch.no_grad():
         return model.logits(inputs, cu_seqlens, windows, _bigram_ids(model, inputs))
 
@@ -79,7 +84,7 @@ def _logits(model, inputs, cu_seqlens, windows, attention):
 
 def test_initial_loss_is_log_vocab():
     torch.manual_seed(0)
-    model = tg.use_cpu_fallbacks(tg.GPT(_small_hp(vocab=50257))).eval()
+    model = tg.build_model(_small_hp(vocab=50257), torch.device("cpu")).eval()
     T = 512
     g = _gen(1)
     inputs = torch.randint(0, 50257, (T,), generator=g, dtype=torch.int32)
@@ -100,18 +105,18 @@ BACKEND_IDS = ["tiled", "flex"]
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
 def test_causality(backend):
-    model = _small_model()
+    model = _small_model(attention=backend)
     T = 300
     g = _gen(2)
     inputs = torch.randint(0, 1024, (T,), generator=g, dtype=torch.int32)
     cu = _cu([120], T)  # two documents; windows 1 and 2 blocks x 16 tokens
-    base = _logits(model, inputs, cu, (1, 2), backend)
+    base = _logits(model, inputs, cu, (1, 2))
     scale = base.abs().max().item()
     # eager FlexAttention is slow on CPU (~0.3 s per call): fewer cut points for it
     for t in (0, 60, 130, 200) if isinstance(backend, tg.TiledWindowAttention) else (130,):
         changed = inputs.clone()
         changed[t + 1:] = torch.randint(0, 1024, (T - t - 1,), generator=g, dtype=torch.int32)
-        out = _logits(model, changed, cu, (1, 2), backend)
+        out = _logits(model, changed, cu, (1, 2))
         # past and present: unchanged (measured bit-identical; tolerance for kernel blocking)
         assert (out[: t + 1] - base[: t + 1]).abs().max().item() <= 1e-6 * scale, t
         # the future does change (the test has power)
@@ -125,7 +130,7 @@ def test_documents_meet_only_at_the_boundary(backend):
     the first document everywhere except near its end (out of reach of the windows of every layer
     that feeds its last key) leaves the second document bit-identical, and changing the last
     token of the first document changes the second document."""
-    model = _small_model()
+    model = _small_model(attention=backend)
     g = _gen(3)
     a_len, b_len = 250, 170
     doc_a = torch.randint(0, 1024, (a_len,), generator=g, dtype=torch.int32)
@@ -133,7 +138,7 @@ def test_documents_meet_only_at_the_boundary(backend):
     T = a_len + b_len
     packed = torch.cat([doc_a, doc_b])
     cu = _cu([a_len], T)
-    base = _logits(model, packed, cu, (1, 2), backend)
+    base = _logits(model, packed, cu, (1, 2))
     scale = base.abs().max().item()
 
     # The first document's last key (shifted into the second document at the long-window layers 2 and
@@ -141,22 +146,22 @@ def test_documents_meet_only_at_the_boundary(backend):
     # The first 40 tokens are out of that reach.
     far = packed.clone()
     far[:40] = torch.randint(0, 1024, (40,), generator=g, dtype=torch.int32)
-    out = _logits(model, far, cu, (1, 2), backend)
+    out = _logits(model, far, cu, (1, 2))
     assert torch.equal(out[a_len:], base[a_len:])
     assert (out[:40] - base[:40]).abs().max().item() > 1e-2 * scale  # the change itself is visible
 
     # the boundary: the last token of the first document reaches the second document's first position
     near = packed.clone()
     near[a_len - 1] = (near[a_len - 1] + 1) % 1024
-    out = _logits(model, near, cu, (1, 2), backend)
+    out = _logits(model, near, cu, (1, 2))
     assert (out[a_len] - base[a_len]).abs().max().item() > 1e-5 * scale  # measured 8e-4 x scale
 
     # positive control: declared as one document, the second part depends on the far change
     if isinstance(backend, tg.FlexWindowAttention):
         return  # (the model's information flow does not depend on the backend; saves two slow passes)
     merged = _cu([], T)
-    one = _logits(model, packed, merged, (8, 16), backend)
-    two = _logits(model, far, merged, (8, 16), backend)
+    one = _logits(model, packed, merged, (8, 16))
+    two = _logits(model, far, merged, (8, 16))
     assert (one[a_len:] - two[a_len:]).abs().max().item() > 1e-5 * scale  # measured 8e-4 x scale
 
 
@@ -282,9 +287,9 @@ def test_sliding_window_influence(backend):
 
 def test_tied_embedding_and_head(monkeypatch):
     """--untie_stage -1: the input embedding is the head's weight itself (no separate table)."""
-    model = _small_model(randomize=False, untie_stage=-1)
+    # the plain path, so head_matmul is where the head reads its weight
+    model = _small_model(randomize=False, head_loss=tg.softcap_cross_entropy, untie_stage=-1)
     model.train()
-    model.head_loss = tg.softcap_cross_entropy  # the plain path, so head_matmul is where the head reads its weight
     T = 128
     g = _gen(4)
     inputs = torch.randint(0, 300, (T,), generator=g, dtype=torch.int32)  # rows >= 300 never looked up
@@ -352,7 +357,8 @@ def test_cpu_preset_split_covers_every_parameter_once():
 def test_scalars_layout():
     L = 11
     for mudd_dim, backout in ((64, None), (0, 0.5)):
-        model = tg.GPT(dataclasses.replace(_small_hp(layers=L), mudd_dim=mudd_dim))
+        hp = dataclasses.replace(_small_hp(layers=L), mudd_dim=mudd_dim)
+        model = tg.build_model(hp, torch.device("cpu"))
         views = model.scalar_views()
         assert torch.equal(views.attn, torch.tensor([[0.5, 1.0]] * L))
         assert (views.smear.item(), views.skip.item()) == (0.0, -1.5)
@@ -416,7 +422,7 @@ def test_layer_roles_other_depths(layers):
     assert sorted(r.value_embed) == [0, 1, layers - 3, layers - 2, layers - 1]
     assert [r.value_embed[i] for i in sorted(r.value_embed)] == [1, 2, 0, 1, 2]
     with torch.device("meta"):
-        model = tg.GPT(_small_hp(layers=layers))
+        model = tg.GPT(_small_hp(layers=layers), tg.backend_for(_small_hp(layers=layers), torch.device("cpu")))
     assert [i for i, p in enumerate(model.plan) if not p.attention] == [model.roles.attn_free]
     assert not hasattr(model.layers[model.roles.attn_free], "qk_w")
 
@@ -494,7 +500,7 @@ def test_every_idea_off_is_the_plain_model_written_by_hand():
     g = _gen(12)
     inputs = torch.randint(0, 1024, (T,), generator=g, dtype=torch.int32)
     cu = _cu([70, 150], T)
-    ours = _logits(model, inputs, cu, (1, 2), tg.TiledWindowAttention()).double()
+    ours = _logits(model, inputs, cu, (1, 2)).double()
     reference = _plain_reference(model, inputs, cu, (1, 2))[:, : ours.size(1)]
     bound = 8 * 2 ** -23 * reference.abs().max().item()
     assert (ours - reference).abs().max().item() <= bound
@@ -579,22 +585,18 @@ def test_mm_fp8_under_compile_matches_eager():
 
 def test_fp8_switch_changes_only_precision():
     """The FP8 head (e4m3 forward, e5m2 gradients) against the bf16/fp32 head; the FP8 MLP has tests of its own."""
-    model = _small_model(vocab=4096, fp8_mlp=False)  # K = 64, N = 4096, T = 256: multiples of 16 (a smaller head)
-    model.train()
-    model.head_loss = tg.softcap_cross_entropy
     T = 256
     g = _gen(7)
     inputs = torch.randint(0, 4096, (T,), generator=g, dtype=torch.int32)
     targets = torch.randint(0, 4096, (T,), generator=g)
     cu = _cu([90, 200], T)
     runs = {}
-    for fp8 in (False, True):
-        model.use_fp8 = fp8
-        model.zero_grad()
+    for fp8 in (False, True):  # K = 64, N = 4096, T = 256: multiples of 16 (a smaller head); the same weights
+        model = _small_model(vocab=4096, head_loss=tg.softcap_cross_entropy, fp8_scales=HEAD_FP8_SCALES if fp8 else None,
+                             fp8_mlp=False).train()
         loss = _forward(model, inputs, targets, cu, (1, 2))
         loss.backward()
         runs[fp8] = (loss.item() / T, {n: p.grad.clone() for n, p in model.named_parameters()})
-    model.use_fp8 = False
     (l32, g32), (l8, g8) = runs[False], runs[True]
     # Error model: the logits' gradient is cast to e5m2 (2 mantissa bits: unit roundoff 2^-3, RMS relative
     # error 2^-3 / sqrt(3) = 0.072), so a gradient made of many such entries is off by about that, relative
@@ -649,8 +651,6 @@ def test_chunked_softcap_loss_matches_autograd(T, loss_kind):
 
 
 def test_model_fused_cpu_loss_equals_plain_path():
-    model = _small_model(vocab=1024)
-    model.train()
     T = 300
     g = _gen(10)
     inputs = torch.randint(0, 1024, (T,), generator=g, dtype=torch.int32)
@@ -658,8 +658,7 @@ def test_model_fused_cpu_loss_equals_plain_path():
     cu = _cu([123], T)
     out = {}
     for fused in (True, False):
-        model.head_loss = tg.chunked_softcap_cross_entropy if fused else tg.softcap_cross_entropy
-        model.zero_grad()
+        model = _small_model(vocab=1024, head_loss=None if fused else tg.softcap_cross_entropy).train()
         loss = _forward(model, inputs, targets, cu, (1, 2), torch.tensor([1.0, 0.5, 0.25]))
         loss.backward()
         out[fused] = (loss.item(), [p.grad.clone() for p in model.parameters()])

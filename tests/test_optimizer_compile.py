@@ -58,14 +58,15 @@ def test_compiled_optimizer_math_gives_the_eager_updates_without_recompiles(monk
     adam_compiles = []  # the shape of each call that compiled (a first compile may call the backend twice)
     adam.math = checked(tg.adam_update_, compile_(tg.adam_update_, adam_graphs), report, adam_graphs, adam_compiles)
     g = torch.Generator().manual_seed(1)
-    graphs = []
+    graphs, schedule = [], tg.Schedule(hp)
     for step in range(STEPS):
         inputs = torch.randint(0, hp.vocab_size, (256,), generator=g, dtype=torch.int32)
         cu = torch.tensor([0, 100] + [256] * 7, dtype=torch.int32)
         bigram = torch.from_numpy(tg.bigram_hash(inputs.numpy(), hp.bigram_vocab_size))
-        tg.apply_schedule(step, hp, model, matrix_opt, adam)  # the lr changes every step
+        plan = schedule.at(step)
+        tg.start_step(plan, model, matrix_opt, adam)  # the lr changes every step
         model(inputs, torch.roll(inputs, -1).long(), cu, (1, 2), bigram).backward()
-        tg.step_optimizers(step, matrix_opt, adam)
+        tg.step_optimizers(plan, matrix_opt, adam)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert not torch._dynamo.utils.counters["graph_break"]
     # compiled once per distinct shape in the first two steps (NorMuon's groups, DistAdam's parameters);

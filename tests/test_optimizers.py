@@ -111,7 +111,7 @@ def train(muon, adam, mparams, aparams, steps, grad_fn, phase=contextlib.nullcon
         with phase("normuon"):
             muon.step()
         muon.zero_grad()
-        if tg.adam_steps_at(step):
+        if step % 2 == 1:  # DistAdam's steps (test_distadam_matches_reference_adam_and_steps_on_odd_steps_only)
             with phase("adam"):
                 adam.step()
             adam.zero_grad()
@@ -249,7 +249,8 @@ def test_distadam_matches_reference_adam_and_steps_on_odd_steps_only():
     params = adam_params()
     adam = tg.DistAdam(params, **ADAM_HP)
     refs = [RefAdam(p) for p in params]
-    assert [tg.adam_steps_at(s) for s in range(4)] == [False, True, False, True]
+    schedule = tg.Schedule(tg.parse_args([]))
+    assert [schedule.at(s).adam_step for s in range(4)] == [False, True, False, True]
     pending = [None] * len(params)
     for step in range(STEPS):
         lr = ADAM_HP["lr"] * (1 - 0.1 * step)
@@ -259,7 +260,7 @@ def test_distadam_matches_reference_adam_and_steps_on_odd_steps_only():
         grads = [rank_grad(0, step, 100 + i, p.shape) for i, p in enumerate(params)]
         sum((p * g).sum() for p, g in zip(params, grads)).backward()  # accumulates into .grad
         pending = [g if acc is None else acc + g for acc, g in zip(pending, grads)]
-        if tg.adam_steps_at(step):
+        if schedule.at(step).adam_step:
             adam.step()
             adam.zero_grad()
             for ref, grad in zip(refs, pending):
@@ -490,7 +491,7 @@ def test_backward_issues_no_collective_and_each_step_reduces_its_own_grads(two_p
     log = two_process_results[0]["comm_log"]
     expected_phases = []
     for step in range(STEPS):
-        expected_phases += ["backward", "normuon"] + (["adam"] if tg.adam_steps_at(step) else [])
+        expected_phases += ["backward", "normuon"] + (["adam"] if step % 2 == 1 else [])
     assert [name for name, _ in log] == expected_phases
     n_groups = len(tg.stacked_groups(muon_params(), 2))
     for name, calls in log:
@@ -573,21 +574,21 @@ SCHEDULE_TABLE = [
 @pytest.mark.parametrize("row", SCHEDULE_TABLE, ids=[f"step{r[0]}" for r in SCHEDULE_TABLE])
 def test_record_schedule_table(row):
     step, stage, batch, windows, lr_mul, momentum, adam = row
-    hp = tg.parse_args([])
-    assert tg.stage_at(step, hp) == stage
-    assert tg.batch_size_at(step, hp) == batch
-    assert tg.window_blocks_at(step, hp) == windows
-    assert tg.lr_multiplier_at(step, hp) == pytest.approx(lr_mul, abs=1e-9)
-    assert tg.muon_momentum_at(step, hp) == pytest.approx(momentum, abs=1e-9)
-    assert tg.adam_steps_at(step) is adam
+    plan = tg.Schedule(tg.parse_args([])).at(step)
+    assert plan.stage == stage
+    assert plan.batch_tokens == batch
+    assert plan.windows == windows
+    assert plan.lr_multiplier == pytest.approx(lr_mul, abs=1e-9)
+    assert plan.momentum == pytest.approx(momentum, abs=1e-9)
+    assert plan.adam_step is adam
 
 
 def test_record_schedule_spot_values():
-    hp = tg.parse_args([])
+    schedule = tg.Schedule(tg.parse_args([]))
     # the hand-derived cooldown values above, as decimals
-    assert tg.lr_multiplier_at(553, hp) == pytest.approx(1.5183454, abs=1e-7)
-    assert tg.lr_multiplier_at(919, hp) == pytest.approx(0.9127657, abs=1e-7)
-    assert tg.lr_multiplier_at(920, hp) == pytest.approx(1.0277778, abs=1e-7)
-    assert tg.lr_multiplier_at(1379, hp) == pytest.approx(0.1519082, abs=1e-7)
-    assert tg.stage_first_steps(hp) == [0, 460, 920, 1380]
-    assert [(s.first_step, s.end_step) for s in tg.stages(hp)] == [(0, 460), (460, 920), (920, 1380), (1380, 1390)]
+    assert schedule.lr_multiplier(553) == pytest.approx(1.5183454, abs=1e-7)
+    assert schedule.lr_multiplier(919) == pytest.approx(0.9127657, abs=1e-7)
+    assert schedule.lr_multiplier(920) == pytest.approx(1.0277778, abs=1e-7)
+    assert schedule.lr_multiplier(1379) == pytest.approx(0.1519082, abs=1e-7)
+    assert schedule.stage_first_steps() == [0, 460, 920, 1380]
+    assert [(s.first_step, s.end_step) for s in schedule.stages] == [(0, 460), (460, 920), (920, 1380), (1380, 1390)]

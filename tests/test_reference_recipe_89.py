@@ -96,7 +96,7 @@ def load_reference_weights(model, W):
 
 def our_model(*flags):
     torch.manual_seed(0)
-    return tg.use_cpu_fallbacks(tg.GPT(toy_hp(*flags)))
+    return tg.build_model(toy_hp(*flags), torch.device("cpu"))
 
 
 def packed_batch(seed=0):
@@ -108,14 +108,14 @@ def packed_batch(seed=0):
 
 def stage_windows():
     """[(label, (short, long) blocks, YaRN transition before it in blocks, mtp weights)] of the record."""
-    hp = tg.parse_args([])
+    schedule = tg.Schedule(tg.parse_args([]))
     stages, previous = [], None
-    for step in tg.stage_first_steps(hp):
-        blocks = tg.window_blocks_at(step, hp)
+    for step in schedule.stage_first_steps():
+        blocks = schedule.at(step).windows
         stages.append((f"stage@{step}", blocks, None if previous is None else (previous[1], blocks[1]),
-                       tg.mtp_weights_at(step, hp)))
+                       schedule.mtp_weights(step)))
         previous = blocks
-    stages.append(("final validation", tg.final_window_blocks(hp), None, (1.0, 0.0, 0.0)))
+    stages.append(("final validation", schedule.final_windows, None, (1.0, 0.0, 0.0)))
     return stages
 
 
@@ -243,30 +243,34 @@ def test_multi_token_weights_change_the_training_loss(monkeypatch, weights):
 
 def test_schedule_matches_the_reference_at_every_step():
     hp = tg.parse_args([])
+    schedule = tg.Schedule(hp, torch.device("cpu"))
     assert hp.num_scheduled_iterations + hp.num_extension_iterations == ref.REF_TOTAL == 1390
     mismatches = []
     for step in range(ref.REF_TOTAL + 1):
         theirs = ref.ref_schedule(step)
         mtp = list(theirs["mtp_weights"]) + [0.0] * (tg.MTP_HORIZON - len(theirs["mtp_weights"]))
-        ours = (tg.lr_multiplier_at(step, hp), tg.muon_momentum_at(step, hp), tg.batch_size_at(step, hp),
-                tg.max_seq_len_at(step, hp), tg.window_blocks_at(step, hp), tg.adam_steps_at(step),
-                torch.tensor(tg.mtp_weights_at(step, hp), dtype=torch.float32).tolist())
+        plan = schedule.at(step)
+        ours = (plan.lr_multiplier, plan.momentum, plan.batch_tokens, plan.max_seq_len, plan.windows, plan.adam_step,
+                plan.mtp_weights.tolist())
         expected = (theirs["lr"], theirs["muon_momentum"], theirs["batch_size"], theirs["train_max_seq_len"],
                     (theirs["ws_short"], theirs["ws_long"]), theirs["adam_step"],
                     torch.tensor(mtp, dtype=torch.float32).tolist())
         if ours != expected:  # exact: the same float expressions in the same order
             mismatches.append((step, ours, expected))
     assert not mismatches, mismatches[:3]
-    assert tg.untie_step(hp) == ref.REF_SPLIT_STEP == 921
-    assert tg.final_window_blocks(hp) == ref.REF_FINAL_VAL_WS
-    assert [s for s in range(1, ref.REF_TOTAL) if tg.stage_at(s, hp) != tg.stage_at(s - 1, hp)] == [460, 920, 1380]
+    assert schedule.untie_step == ref.REF_SPLIT_STEP == 921
+    assert [s for s in range(ref.REF_TOTAL) if schedule.at(s).unties_after] == [921]
+    assert schedule.final_windows == ref.REF_FINAL_VAL_WS
+    assert schedule.at(ref.REF_TOTAL).val_window_tensor.tolist() == list(ref.REF_FINAL_VAL_WS)
+    assert [s for s in range(1, ref.REF_TOTAL) if schedule.stage_index(s) != schedule.stage_index(s - 1)] == \
+        [460, 920, 1380]
 
 
 def test_a_multiplier_one_step_late_differs_from_the_reference():
     """Positive control: the earlier record's rule (the stage multiplier switching one step after the batch
     size) gives other values on the same step counts."""
-    hp = tg.parse_args([])
-    late = [tg.lr_multiplier_at(s - 1 if s in (460, 920) else s, hp) for s in range(ref.REF_TOTAL)]
+    schedule = tg.Schedule(tg.parse_args([]))
+    late = [schedule.lr_multiplier(s - 1 if s in (460, 920) else s) for s in range(ref.REF_TOTAL)]
     assert [s for s in range(ref.REF_TOTAL) if late[s] != ref.ref_schedule(s)["lr"]] == [460, 920]
 
 
@@ -275,7 +279,7 @@ def test_parameter_count_equals_the_reference_models():
     for an even split over 8 GPUs) and its unused fifth value-embedding gate."""
     hp = tg.parse_args([])
     with torch.device("meta"):
-        model = tg.GPT(hp)
+        model = tg.GPT(hp, tg.backend_for(hp, torch.device("cpu")))
     ours = sum(p.numel() for p in model.parameters())
     record = ref.RefConfig(world_size=1)
     unread = 2 * record.mlp_dim * record.model_dim + record.num_heads * 12
@@ -291,7 +295,7 @@ def test_adam_step_of_every_group_matches_the_reference():
     """Betas, lr and decay multipliers of each group, eps 1e-10, fp32 moments, decay where
     update x weight > 0 (one element has a zero gradient: no decay), fp32 step size and decay."""
     hp = tg.parse_args(["--device", "cpu"])
-    lr_step = tg.lr_multiplier_at(1, hp)
+    lr_step = tg.Schedule(hp).lr_multiplier(1)
     groups = {"lm_head": "lm_head", "embed": "embed", "value_embed": "value_embeds", "bigram": "bigram_embed",
               "scalars": "scalars", "smear_gate": "smear_gate", "skip_gate": "skip_gate", "gate": "attn_gate_bank",
               "resid_lambdas": "resid_lambdas", "lambdas": "post_lambdas", "mudd": "mudd_w1", "mudd_bias": "mudd_b2"}
@@ -327,7 +331,7 @@ def test_normuon_step_matches_the_reference(kind):
     grad = torch.randn(shape, generator=g)
     initial = p.detach().clone()
     muon = tg.NorMuon([p], hp.muon_lr, hp.muon_wd, 0.9, hp.muon_beta2, polar=tg.CPU_POLAR_EXPRESS)
-    lr_step = tg.lr_multiplier_at(100, hp)
+    lr_step = tg.Schedule(hp).lr_multiplier(100)
     muon.set_schedule(lr_step, 0.9)
     p.grad = grad.clone()
     muon.step()

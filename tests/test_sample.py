@@ -163,18 +163,18 @@ def test_decoder_logits_equal_the_full_forwards_at_every_position(tmp_path, flag
     cached one 4.1e-5, no window (every cached key seen) 7.3e-4."""
     hp = tg.parse_args(list(map(str, tiny(tmp_path, *flags))))
     torch.manual_seed(0)
-    model = tg.use_cpu_fallbacks(tg.new_model(hp)).eval()
+    model = tg.build_model(hp, torch.device("cpu")).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.3)
     rng = np.random.default_rng(0)
-    model.bigram_prior = tg.BigramPrior(tg.count_bigrams([rng.integers(0, 3000, 50_000)], hp.vocab_size), 0.5,
-                                        model.lm_head.weight.size(0))
+    prior = tg.BigramPrior(tg.count_bigrams([rng.integers(0, 3000, 50_000)], hp.vocab_size), 0.5,
+                           model.lm_head.weight.size(0))
     windows = (1, 2)  # short and long window in blocks of 64: 64 and 128 keys (rows of a paired stream)
     model.rotary.follow_window(1 * hp.window_block_tokens)
     model.rotary.follow_window(windows[1] * hp.window_block_tokens)  # YaRN: scaled frequencies
     ids = [tg.BOS_ID] + rng.integers(0, 3000, prompt_tokens - 1).tolist()
-    decoder = sample.Decoder(model, hp, windows)
+    decoder = sample.Decoder(model, hp, windows, prior)
     steps, generator = [decoder.append(ids)], torch.Generator().manual_seed(0)
     while len(ids) < positions:
         ids.append(sample.next_token(steps[-1][: hp.vocab_size].index_fill(0, torch.tensor([tg.BOS_ID]), -torch.inf),
@@ -184,7 +184,7 @@ def test_decoder_logits_equal_the_full_forwards_at_every_position(tmp_path, flag
     batch = tg.model_inputs(window, [len(ids)], torch.device("cpu"), tg.bigram_hash(window[:-1], hp.bigram_vocab_size)
                             if hp.bigram_vocab_size else None)
     with torch.no_grad():
-        full = model.logits(batch.inputs, batch.cu_seqlens, windows, batch.bigram_ids)[prompt_tokens - 1:]
+        full = model.logits(batch.inputs, batch.cu_seqlens, windows, batch.bigram_ids, prior)[prompt_tokens - 1:]
     difference = (torch.stack(steps) - full).abs().amax(dim=1) / full.abs().amax(dim=1)
     assert difference.max() <= 2 ** -19, difference.max()
 

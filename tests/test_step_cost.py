@@ -112,8 +112,9 @@ def test_record_step_matmul_flops_are_the_analytic_count():
     expected = 6 * tokens * per_token
     print(f"matmul FLOPs: traced {traced:.4e}, analytic {expected:.4e}, ratio {traced / expected:.4f}")
     assert abs(traced / expected - 1) < 0.01
-    short, long = tg.window_blocks_at(tg.stages(hp)[2].first_step, hp)
-    model = tg.new_model(hp)
+    schedule = tg.Schedule(hp)
+    short, long = schedule.at(schedule.stages[2].first_step).windows
+    model = tg.build_model(hp, torch.device("cpu"))
     tile_flops = 4 * tg.ATTN_BLOCK ** 2 * hp.head_dim * hp.num_heads  # a paired layer: twice the tiles, half the heads
     attention = 0
     for i, plan in enumerate(model.plan):

@@ -78,9 +78,9 @@ def cpu_host_reads_per_micro_step(trainer):
 
 @pytest.mark.parametrize("step", [0, 1], ids=["normuon-only step", "adam step"])
 def test_train_step_has_no_host_syncs_besides_the_cpu_attention(trainer, step):
-    trainer.train_step(0, *trainer.schedule(0))  # the first step allocates optimizer state; count a steady-state step
+    trainer.train_step(trainer.begin_step(0))  # the first step allocates optimizer state; count a steady-state step
     with SyncCounter() as counter:
-        trainer.train_step(step + 2, *trainer.schedule(step + 2))
+        trainer.train_step(trainer.begin_step(step + 2))
     assert trainer.accum == 2  # two micro-steps
     host_reads = counter.events.count("host read (.item/.tolist/float)")
     assert host_reads == cpu_host_reads_per_micro_step(trainer) * trainer.accum, counter.summary()
@@ -98,9 +98,9 @@ def test_the_count_would_catch_a_sync_in_the_optimizer(trainer, monkeypatch):
         return real(self, group, grad, weight, p)
 
     monkeypatch.setattr(tg.DistAdam, "_adam_update", with_item)
-    trainer.train_step(0, *trainer.schedule(0))
+    trainer.train_step(trainer.begin_step(0))
     with SyncCounter() as counter:
-        trainer.train_step(1, *trainer.schedule(1))  # an Adam step: one read per updated DistAdam parameter
+        trainer.train_step(trainer.begin_step(1))  # an Adam step: one read per updated DistAdam parameter
     updated = len(trainer.adam.param_groups) - 1  # the embedding is still tied to the head
     expected = cpu_host_reads_per_micro_step(trainer) * trainer.accum + updated
     assert counter.events.count("host read (.item/.tolist/float)") == expected, counter.summary()

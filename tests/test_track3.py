@@ -132,7 +132,7 @@ def test_load_balancer_on_skewed_sizes():
 def test_communication_never_exceeds_normuons_for_the_record_model(monkeypatch):
     hp = tg.parse_args([])
     with torch.device("meta"):
-        model = tg.GPT(hp)
+        model = tg.GPT(hp, tg.backend_for(hp, torch.device("cpu")))
     matrix_params, _ = tg.split_params_for_optimizers(model)
     for world in (2, 4, 8):
         monkeypatch.setattr(tg, "world_info", lambda: (0, world))

@@ -181,7 +181,8 @@ def test_resume_one_process_exact(corpus, tmp_path, capsys, restore_threads):
     # an earlier checkpoint still works and continues exactly (full float precision), through the steps
     # where recipe 89's multi-token weights change and its embedding unties from the head
     hp = tg.parse_args(list(map(str, base)))
-    assert 2 < tg.untie_step(hp) < 8 and tg.mtp_weights_at(2, hp) != tg.mtp_weights_at(4, hp)
+    schedule = tg.Schedule(hp)
+    assert 2 < schedule.untie_step < 8 and schedule.mtp_weights(2) != schedule.mtp_weights(4)
     resumed, code, err = run_main([*base, "--resume", folder / "step_000002.pt", "--run_id", "resumed"], capsys)
     assert code == 0, err
     assert resumed == [(s, v) for s, v in full if s >= 2]
@@ -256,6 +257,28 @@ def test_warm_up_restores_everything(corpus, tmp_path, restore_threads):
     assert_same(before, after)
     assert torch.equal(trainer.model.rotary.freqs, trainer.model.rotary.initial_freqs)
     assert torch.equal(trainer.model.rotary.attn_scale, torch.tensor(tg.Rotary.INITIAL_ATTN_SCALE, dtype=torch.float64))
+
+
+def test_a_run_without_extension_steps_has_every_window_it_validates_at():
+    """The warm-up validates at the last step's windows (the extension's stage, empty here) and the final ones:
+    the schedule makes a device tensor for every stage's windows, steps or not (before: a KeyError)."""
+    hp = tg.parse_args(["--preset", "cpu", "--num_scheduled_iterations", "2", "--num_extension_iterations", "0"])
+    schedule = tg.Schedule(hp, torch.device("cpu"))
+    last = schedule.at(schedule.total_steps)
+    assert last.stage == 3 and last.window_tensor.tolist() == [3, 7] and last.val_window_tensor.tolist() == [3, 8]
+    # steps 0 and 1: the first and the third third (the second has no step)
+    assert [schedule.at(step).window_tensor.tolist() for step in range(2)] == [[1, 2], [3, 6]]
+    assert schedule.stage_first_steps() == [0, 1]  # the warm-up visits the stages that have steps
+
+
+@pytest.mark.slow
+def test_warm_up_without_extension_steps(corpus, tmp_path, capsys, restore_threads):
+    # the extension's windows (2 / 4 blocks) are no stage's with steps
+    losses, code, err = run_main(tiny(corpus, "--num_scheduled_iterations", 2, "--num_extension_iterations", 0,
+                                      "--window_blocks", 2, 2, 3, "--warmup_steps", 1, "--val_loss_every", 0,
+                                      "--log_dir", tmp_path), capsys)
+    assert code == 0, err
+    assert [step for step, _ in losses] == [2]
 
 
 # ----------------------------------------------------------------------------------------------

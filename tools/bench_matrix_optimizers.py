@@ -27,11 +27,11 @@ import train_gpt as tg  # noqa: E402
 def median_step_ms(argv, warmup, steps):
     trainer = tg.Trainer(tg.parse_args(argv), argv)
     for step in range(warmup):
-        trainer.train_step(step, *trainer.schedule(step))
+        trainer.train_step(trainer.begin_step(step))
     times = []
     for step in range(warmup, warmup + steps):
         start = time.perf_counter()
-        trainer.train_step(step, *trainer.schedule(step))
+        trainer.train_step(trainer.begin_step(step))
         times.append(1000 * (time.perf_counter() - start))
     trainer.loader.close()
     return sorted(times)[len(times) // 2]

@@ -25,11 +25,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt import (ATTN_BLOCK, BOS_ID, CPU_POLAR_EXPRESS, GPU_POLAR_EXPRESS, PIECE_CONTEXT_AFTER,  # noqa: E402
-                       Batch, ConfigError, DataError, NorMuon, bigram_hash, build_arg_parser, check_batch_splits,
-                       describe_pieces, grad_accum_steps, hyperparameters_from, make_optimizers, micro_step_pieces,
-                       model_inputs, mtp_weights_at, multi_token_prediction, new_model, piece_inputs, process_place,
-                       tokens_per_rank, use_cpu_fallbacks, use_gpu_paths, window_blocks_at)
+from train_gpt import (ATTN_BLOCK, BOS_ID, CPU_POLAR_EXPRESS, GPT, GPU_POLAR_EXPRESS, PIECE_CONTEXT_AFTER,  # noqa: E402
+                       Batch, ConfigError, DataError, NorMuon, Schedule, backend_for, bigram_hash, build_arg_parser,
+                       check_batch_splits, describe_pieces, grad_accum_steps, hyperparameters_from, make_optimizers,
+                       micro_step_pieces, model_inputs, piece_inputs, process_place, tokens_per_rank)
 
 PROG = "plan_memory.py"
 
@@ -120,13 +119,13 @@ def plan_batch(hp, tokens, piece=False):
     return model_inputs(window, [tokens], torch.device("cpu"), bigram_ids)
 
 
-def planned_model(hp, gpu_path, accum):
-    """The run's model (made under a FakeTensorMode: no memory): the GPU paths (fused attention's footprint;
-    the FP8 head unless --fp8 off) or, for --device cpu, the CPU path."""
-    model = new_model(hp)
+def planned_model(hp, gpu_path, accum, attention=None):
+    """The run's model (made under a FakeTensorMode: no memory) with the trainer's backend: on a GPU with FP8 tensor
+    cores (the FP8 head unless --fp8 off), `attention` standing in for the fused kernel (default: its footprint,
+    PlannedAttention), or, for --device cpu, the CPU path."""
     if not gpu_path:
-        return use_cpu_fallbacks(model)
-    return use_gpu_paths(model, hp, hp.fp8 != "off", PlannedAttention(), accum)
+        return GPT(hp, backend_for(hp, torch.device("cpu")))
+    return GPT(hp, backend_for(hp, torch.device("cuda"), accum, fp8_hardware=True, attention=attention or PlannedAttention()))
 
 
 @contextlib.contextmanager
@@ -155,9 +154,8 @@ class MemoryPlan:
         self.hp, self.world_size, self.gpu_path = hp, world_size, gpu_path
         self.accum = grad_accum_steps(hp, world_size)
         check_batch_splits(hp, world_size, self.accum)
-        last_step = hp.num_scheduled_iterations + hp.num_extension_iterations
-        self.windows = window_blocks_at(last_step, hp)
-        self.mtp_weights = torch.tensor(mtp_weights_at(last_step, hp)) if multi_token_prediction(hp) else None
+        last = Schedule(hp).at(hp.num_scheduled_iterations + hp.num_extension_iterations)
+        self.windows, self.mtp_weights = last.windows, last.mtp_weights
         self.fake, self.live = FakeTensorMode(), LiveMemory()
         self._pieces = {}
         with warnings.catch_warnings(), fake_world(world_size), self.fake, self.live:

@@ -199,7 +199,7 @@ def sampling_device(choice, hp):
 
 
 def open_checkpoint(path, device_choice):
-    """(contents, Hyperparameters, model): the checkpoint checked as train_gpt.load_checkpoint checks it (header,
+    """(contents, Hyperparameters, model, its --bigram_prior's BigramPrior or None): the checkpoint checked as train_gpt.load_checkpoint checks it (header,
     checksum, keys) and its model in eval mode, fp32, on the device of the --device choice (sampling_device),
     with the CPU path's attention (any device), the rotary state (YaRN) of its step and, under --bigram_prior,
     the prior of its training shards. The checksum of the whole file and the prior's counting run in threads
@@ -212,7 +212,7 @@ def open_checkpoint(path, device_choice):
             hp = checkpoint_hyperparameters(path, snap)
             device = sampling_device(device_choice, hp)
             prior = pool.submit(count_prior, path, snap, hp) if hp.bigram_prior else None
-            model = tg.use_cpu_fallbacks(tg.new_model(hp))
+            model = tg.GPT(hp, tg.backend_for(hp, torch.device("cpu")))
         except Exception:
             check_checksum(path, *checksum.result())  # a damaged file is named as one, whatever broke its reading
             raise
@@ -222,9 +222,8 @@ def open_checkpoint(path, device_choice):
         except (RuntimeError, KeyError, TypeError) as e:
             raise tg.DataError(f"{path}: its model state does not fit the model its settings describe "
                                f"({str(e).splitlines()[0][:120]}); was it written by another version of train_gpt.py?")
-        model.rotary.follow_window(tg.window_blocks_at(snap["step"], hp)[1] * hp.window_block_tokens)
-        model.bigram_prior = prior.result() if prior else None
-    return snap, hp, model.to(device).eval()
+        model.follow_window(tg.Schedule(hp).at(snap["step"]).windows)
+    return snap, hp, model.to(device).eval(), prior.result() if prior else None
 
 
 def prompt_ids(enc, prompt, max_seq_len):
@@ -262,8 +261,8 @@ class Decoder:
     rounding (tests/test_sample.py)."""
 
     @torch.no_grad()
-    def __init__(self, model, hp, windows):
-        self.model, self.ids, self.device = model, [], model.lm_head.weight.device
+    def __init__(self, model, hp, windows, prior=None):
+        self.model, self.prior, self.ids, self.device = model, prior, [], model.lm_head.weight.device
         self.bigram_rows = hp.bigram_vocab_size
         self.window = {long: windows[long] * hp.window_block_tokens for long in (0, 1)}  # (in rows, as the mask's)
         self.tables = model.rotary.cos_sin(hp.max_seq_len)  # the positions' rotary tables, made once
@@ -295,7 +294,7 @@ class Decoder:
         stream = rows_after_the_first(stream) if lead else stream
         x = model.through_layers(stream, functools.partial(self.attend, start=start))[-1:]
         logits = tg.softcapped(x @ self.head, model.softcap)
-        return (logits if model.bigram_prior is None else model.bigram_prior.add_to(logits, inputs[-1:]))[0]
+        return (logits if self.prior is None else self.prior.add_to(logits, inputs[-1:]))[0]
 
     def attend(self, i, plan, x, added_v, xsa_alpha, start):
         """Layer.attend for positions start ... of the normed input x, over this layer's cached keys."""
@@ -330,11 +329,11 @@ class Decoder:
         return y.transpose(0, 1).reshape(n, H, hd)
 
 
-def generate(model, ids, hp, windows, args, device):
+def generate(model, ids, hp, windows, args, device, prior=None):
     """(new token ids, why generation stopped, seconds to the first new token): until --max_new_tokens, a
     document end or --max_seq_len."""
     generator = torch.Generator(device).manual_seed(args.seed)
-    decoder, new, first = Decoder(model, hp, windows), [], None
+    decoder, new, first = Decoder(model, hp, windows, prior), [], None
     start = time.perf_counter()
     logits = decoder.append(ids)
     while True:
@@ -350,11 +349,11 @@ def generate(model, ids, hp, windows, args, device):
         logits = decoder.append([token])
 
 
-def sample(args, enc, snap, hp, model, device, started):
+def sample(args, enc, snap, hp, model, prior, device, started):
     ids = prompt_ids(enc, args.prompt, hp.max_seq_len)
-    windows = tg.window_blocks_at(snap["step"], hp)
+    windows = tg.Schedule(hp).at(snap["step"]).windows
     start = time.perf_counter()
-    new, stopped, first = generate(model, ids, hp, windows, args, device)
+    new, stopped, first = generate(model, ids, hp, windows, args, device, prior)
     seconds = time.perf_counter() - start
     print(enc.decode(ids[1:] + new), flush=True)  # (before the figures on stderr)
     print(f"{len(new)} tokens in {seconds:.2f} s ({len(new) / seconds:.1f} tokens/s) on {device}; first token "
@@ -372,7 +371,7 @@ def shard_tokens(pattern):
 
 
 @torch.no_grad()
-def evaluate(args, snap, hp, model, device):
+def evaluate(args, snap, hp, model, prior, device):
     """Mean loss per token over the first eval tokens of the shards, in forwards of the trainer's size."""
     available = shard_tokens(args.eval) - 1  # the last target needs one more token
     wanted = min(args.eval_tokens or hp.val_tokens, available)
@@ -381,8 +380,8 @@ def evaluate(args, snap, hp, model, device):
     if count <= 0:
         raise tg.DataError(f"--eval {args.eval!r} holds {available + 1} tokens; scoring needs at least 2")
     tokens = tg.read_validation_tokens(args.eval, count + 1, hp.vocab_size)
-    windows = tg.final_window_blocks(hp)
-    losses = [model(b.inputs, b.targets, b.cu_seqlens, windows, b.bigram_ids)
+    windows = tg.Schedule(hp).final_windows
+    losses = [model(b.inputs, b.targets, b.cu_seqlens, windows, b.bigram_ids, prior=prior)
               for b in tg.validation_batches(tokens, count, chunk, 0, 1, 1, device, hp.bigram_vocab_size)]
     loss = torch.stack(losses).mean().item()
     print(f"val_loss:{loss:.4f} over {count:,} tokens of {args.eval} ({chunk:,} per forward, windows "
@@ -401,11 +400,11 @@ def main(argv=None, enc=None):
             import fineweb  # data/fineweb.py: the GPT-2 BPE, offline from --bpe
             enc = fineweb.load_encoding(args.bpe)
         torch.set_num_threads(args.cpu_threads)
-        snap, hp, model = open_checkpoint(args.checkpoint, args.device)
+        snap, hp, model, prior = open_checkpoint(args.checkpoint, args.device)
         device = model.lm_head.weight.device
         if args.eval is not None:
-            return evaluate(args, snap, hp, model, device)
-        return sample(args, enc, snap, hp, model, device, started)
+            return evaluate(args, snap, hp, model, prior, device)
+        return sample(args, enc, snap, hp, model, prior, device, started)
     except (tg.ConfigError, tg.DataError) as e:
         exit_with_error(PROG, e)
     except OSError as e:

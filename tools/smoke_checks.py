@@ -211,14 +211,14 @@ def count_host_syncs(trainer, step):
     GPU; on the CPU the operations that would synchronize on CUDA (SyncCounter)."""
     if trainer.device.type != "cuda":
         with SyncCounter() as counter:
-            trainer.train_step(step, *trainer.schedule(step))
+            trainer.train_step(trainer.begin_step(step))
         return len(counter.syncs()), counter.summary()
     synchronize(trainer.device)
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.train_step(step, *trainer.schedule(step))
+            trainer.train_step(trainer.begin_step(step))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = sync_debug_warnings(caught)
@@ -297,11 +297,11 @@ def optimizer_compiles(argv):
             matrix_opt.polar = dict(tg.GPU_POLAR_EXPRESS, use_triton=False)  # Triton cannot run on fake tensors
             matrix_opt.normalize = recording(tg.normalize_variance, normuon_keys, "normalization")
             matrix_opt.apply_update = recording(tg.cautious_update, normuon_keys, "cautious update")
-        tied = adam.tied
+        plan = tg.Schedule(hp).at(1)
         for step in (1, 3):  # odd: both optimizers step; the second time with the embedding untied
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
-            tg.step_optimizers(step, matrix_opt, adam, untie_at=1 if tied else None)
+            tg.step_optimizers(plan._replace(step=step, unties_after=adam.tied), matrix_opt, adam)
     return OptimizerCompiles(adam_keys, normuon_keys, sizes)
 
 
@@ -509,7 +509,7 @@ class RecordRun:
         start = time.perf_counter()
         try:
             for step in range(self.MOVE_STEPS):
-                losses.append(trainer.train_step(step, *trainer.schedule(step))[0].item())
+                losses.append(trainer.train_step(trainer.begin_step(step))[0][0].item())
                 if step == 0:
                     seconds = time.perf_counter() - start
                     report_compile(self.device, self.model_training_graphs(), seconds - self.clocks.seconds)
@@ -530,7 +530,7 @@ class RecordRun:
         trainer = self.trainer()
         graphs = compiled_graphs()
         start = time.perf_counter()
-        trainer.validate(tg.window_blocks_at(0, self.hp))  # compiles the validation graph
+        trainer.validate(trainer.schedule.at(0).window_tensor)  # compiles the validation graph
         synchronize(self.device)
         validation_s = time.perf_counter() - start
         report_compile(self.device, self.validation_graphs(), validation_s)
@@ -548,11 +548,11 @@ class RecordRun:
         for step in range(trainer.total_steps):
             synchronize(self.device)
             start = time.perf_counter()
-            trainer.train_step(step, *trainer.schedule(step))
+            trainer.train_step(trainer.begin_step(step))
             synchronize(self.device)
             times.append(time.perf_counter() - start)
         train_peak = trainer.stats.train_peak_bytes()  # read before the validation, whose peak RunStats adds to it
-        trainer.validate(tg.final_window_blocks(self.hp))
+        trainer.validate(trainer.schedule.at(trainer.total_steps).val_window_tensor)
         reserved = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
         return TimedLoop(times, train_peak, trainer.stats.eval_peak_bytes, reserved, compiled_graphs() - graphs)
 
@@ -581,7 +581,8 @@ class RecordRun:
         bad = {name: states for name, states in first.gradients.items() if {"missing", "non-finite"} & states}
         require(not bad, f"gradients missing or non-finite: {bad}")
         # the multi-token loss weighs each position's next tokens: ln V each at initialization
-        weight = sum(tg.mtp_weights_at(0, self.hp)) if tg.multi_token_prediction(self.hp) else 1.0
+        mtp = tg.Schedule(self.hp).at(0).mtp_weights
+        weight = 1.0 if mtp is None else mtp.sum().item()
         expected = weight * math.log(first.vocab)
         require(abs(first.loss_per_token - expected) < 0.1 * weight,
                 f"loss/token at initialization {first.loss_per_token:.4f}, expected {weight:g} x ln {first.vocab} "
@@ -608,7 +609,7 @@ class RecordRun:
 
     def report_throughput(self):
         loop, trainer = self.timed_loop(), self.trainer()
-        last = [t for step, t in enumerate(loop.step_seconds) if tg.stage_at(step, self.hp) >= 2]
+        last = [t for step, t in enumerate(loop.step_seconds) if trainer.schedule.stage_index(step) >= 2]
         median = sorted(last)[len(last) // 2]
         batch = max(self.hp.batch_sizes)
         per_gpu = batch / trainer.world_size / median
@@ -678,23 +679,23 @@ class RecordRun:
         model.train()
         batch = trainer.loader.next_batch(tg.tokens_per_rank(max(hp.batch_sizes), trainer.world_size, trainer.accum),
                                           hp.max_seq_len)
-        step = trainer.total_steps - 1
-        windows = trainer.windows[tg.window_blocks_at(step, hp)]  # the rotary follows these now
-        mtp = None if trainer.mtp_weights is None else trainer.mtp_weights[step]  # as train_step passes them
+        plan = trainer.schedule.at(trainer.total_steps - 1)  # the rotary follows its windows now
         tokens = batch.inputs.numel()
-        args = (batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids, mtp)
+        args = (batch.inputs, batch.targets, batch.cu_seqlens, plan.window_tensor, batch.bigram_ids, plan.mtp_weights)
         compiled = trainer.forward(*args).item() / tokens  # with gradients on: the training graph itself
-        attention = model.attention
-        model.attention = tg.TiledWindowAttention() if self.device.type == "cuda" else tg.FlexWindowAttention()
-        try:
-            start = time.perf_counter()
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-                eager = model(*args).item() / tokens
-            if self.eager_reference_graphs():
-                report_compile(self.device, self.eager_reference_graphs(), time.perf_counter() - start)
-        finally:
-            model.attention = attention
+        other = tg.TiledWindowAttention() if self.device.type == "cuda" else tg.FlexWindowAttention()
+        with torch.random.fork_rng(devices=[]):  # (its initialization is overwritten; the run's RNG stays)
+            eager_model = tg.GPT(hp, trainer.backend._replace(attention=other), self.device).train()
+        eager_model.load_state_dict(model.state_dict())
+        if eager_model.mlp_in_fp8:  # the FP8 copies of these weights, at the loaded scales
+            eager_model.fp8_mlp.requantize(eager_model.layers)
+        start = time.perf_counter()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+            eager = eager_model(*args).item() / tokens
+        del eager_model
+        if self.eager_reference_graphs():
+            report_compile(self.device, self.eager_reference_graphs(), time.perf_counter() - start)
         require(abs(compiled - eager) < 5e-3, f"loss/token compiled {compiled:.5f}, eager {eager:.5f}")
         what = "compiled, FlexAttention" if trainer.forward is not model else "eager (CPU), tiled attention"
         other = "eager, tiled attention" if self.device.type == "cuda" else "eager FlexAttention"

@@ -280,8 +280,7 @@ class Ledger(LiveMemory):
 def trace_setup(hp, world_size, ledger):
     """(model, optimizers, accum) of the run on fake tensors, rank 0 of world_size, GPU paths."""
     accum = tg.grad_accum_steps(hp, world_size)
-    model = planned_model(hp, True, accum)
-    model.attention = LedgerAttention()
+    model = planned_model(hp, True, accum, attention=LedgerAttention())
     for t in [*model.parameters(), *model.buffers()]:
         ledger.track(t)
     optimizers = tg.make_optimizers(model, hp)
@@ -290,13 +289,12 @@ def trace_setup(hp, world_size, ledger):
     return model, optimizers, accum
 
 
-def trace_piece(hp, model, fake, ledger, tokens, step):
-    """Forward (phase 'forward') and backward ('backward') of one piece of `tokens` positions at `step`."""
-    windows = tg.window_blocks_at(step, hp)
-    model.rotary.follow_window(windows[1] * hp.window_block_tokens)
-    mtp = torch.tensor(tg.mtp_weights_at(step, hp)) if tg.multi_token_prediction(hp) else None
+def trace_piece(hp, model, fake, ledger, tokens, plan):
+    """Forward (phase 'forward') and backward ('backward') of one piece of `tokens` positions at the StepPlan."""
+    windows = plan.windows
+    model.follow_window(windows)
     batch = tg.Batch(*(None if t is None else fake.from_tensor(t) for t in plan_batch(hp, tokens)))
-    mtp = None if mtp is None else fake.from_tensor(mtp)
+    mtp = None if plan.mtp_weights is None else fake.from_tensor(plan.mtp_weights)
     model.train()
     with ledger:
         ledger.phase = "forward"
@@ -310,7 +308,7 @@ def trace_piece(hp, model, fake, ledger, tokens, step):
     ledger.phase = "optimizer"
 
 
-def trace_optimizer_step(model, optimizers, step, ledger, traced=True):
+def trace_optimizer_step(model, optimizers, plan, ledger, traced=True):
     """One optimizer step (phase 'optimizer'), every parameter with a gradient as after a backward (the
     caller unties the embedding at its stage)."""
     matrix_opt, adam = optimizers
@@ -319,7 +317,7 @@ def trace_optimizer_step(model, optimizers, step, ledger, traced=True):
             p.grad = torch.zeros_like(p)
     with ledger if traced else contextlib.nullcontext():
         ledger.phase = "optimizer"
-        tg.step_optimizers(step, matrix_opt, adam)
+        tg.step_optimizers(plan._replace(unties_after=False), matrix_opt, adam)
 
 
 @dataclasses.dataclass
@@ -373,30 +371,30 @@ def cost_of(ledger, ops, peaks, weight=1.0, into=None):
 
 def stage_costs(hp, world_size, peaks, stages=range(4)):
     """StageCost of each of `stages` (0-2, 3: the extension) that has steps, and the Ledger."""
-    fake, ledger = FakeTensorMode(), Ledger(world_size)
+    fake, ledger, schedule = FakeTensorMode(), Ledger(world_size), tg.Schedule(hp)
+    plans = [schedule.at(step) for step in range(schedule.total_steps)]
     costs = []
     with fake_world(world_size), fake:
         model, optimizers, accum = trace_setup(hp, world_size, ledger)
-        untie_at = tg.untie_step(hp)
-        trace_piece(hp, model, fake, ledger, PLAN_PIECE_STEP, 1)  # state made by an untraced first step
-        trace_optimizer_step(model, optimizers, 1, ledger, traced=False)
+        trace_piece(hp, model, fake, ledger, PLAN_PIECE_STEP, plans[1])  # state made by an untraced first step
+        trace_optimizer_step(model, optimizers, plans[1], ledger, traced=False)
         for stage in stages:
-            first, following = tg.stages(hp)[stage].first_step, tg.stages(hp)[stage].end_step
+            first, following = schedule.stages[stage].first_step, schedule.stages[stage].end_step
             if following <= first:
                 continue
-            tokens = tg.tokens_per_rank(tg.batch_size_at(first, hp), world_size, accum)
-            length = tg.padded_piece_length(tokens, tg.piece_cap(hp), tg.max_seq_len_at(first, hp))
+            tokens = tg.tokens_per_rank(plans[first].batch_tokens, world_size, accum)
+            length = tg.padded_piece_length(tokens, tg.piece_cap(hp), plans[first].max_seq_len)
             # pieces of whole documents: at least ceil(tokens / N) of them (how many more depends on the data)
             count = 1 if length == tokens else -(-tokens // hp.micro_batch_tokens)
             start = len(ledger.ops)
-            trace_piece(hp, model, fake, ledger, length, first)
+            trace_piece(hp, model, fake, ledger, length, plans[first])
             totals = cost_of(ledger, ledger.ops[start:], peaks, accum * count, None)
-            odd_steps = sum(tg.adam_steps_at(s) for s in range(first, following))
-            if optimizers[1].tied and untie_at is not None and untie_at < following:
+            odd_steps = sum(plan.adam_step for plan in plans[first:following])
+            if optimizers[1].tied and schedule.untie_step is not None and schedule.untie_step < following:
                 optimizers[1].untie()
             for step, share in ((first | 1, odd_steps), ((first | 1) + 1, following - first - odd_steps)):
                 start = len(ledger.ops)
-                trace_optimizer_step(model, optimizers, step, ledger)
+                trace_optimizer_step(model, optimizers, schedule.at(step), ledger)
                 totals = cost_of(ledger, ledger.ops[start:], peaks, share / (following - first), totals)
             costs.append(StageCost(stage, following - first, tokens * world_size * accum, **totals))
     return costs, ledger
