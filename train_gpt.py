@@ -442,6 +442,29 @@ def read_shard(path, vocab_size=None, max_tokens=None):
     return tokens
 
 
+SHARD_SAMPLES, SHARD_SAMPLE_BYTES = 64, 4096  # what shard_fingerprint reads besides the header: 256 KiB
+
+
+def shard_fingerprint(path):
+    """(size in bytes, sha256 of the header and of 64 blocks of 4 KiB spread evenly over the tokens): what a
+    checkpoint records of each training shard, so that another shard under the same name is noticed on resume and
+    by tools/sample.py. A shard up to 257 KiB is hashed whole; in a larger one an edit between the blocks goes
+    unseen (a cheap check: 65 reads whatever the size)."""
+    header_bytes = SHARD_HEADER_INTS * 4
+    digest = hashlib.sha256()
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            digest.update(f.read(header_bytes))
+            span = max(size - header_bytes - SHARD_SAMPLE_BYTES, 0)
+            for i in range(SHARD_SAMPLES):
+                f.seek(header_bytes + span * i // (SHARD_SAMPLES - 1))
+                digest.update(f.read(SHARD_SAMPLE_BYTES))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read shard ({e.strerror or e})") from None
+    return size, digest.hexdigest()
+
+
 def write_shard(path, tokens):
     """Write GPT-2 token ids as a .bin shard atomically: a unique temp file in the same folder,
     removed on failure, renamed into place on success."""
@@ -685,12 +708,13 @@ class TrainLoader:
         if not self.files:
             raise DataError(f"no training shards match {pattern!r}; download them with "
                             f"`python data/cached_fineweb10B.py` or pass --train_files")
-        self.shard_tokens = []
+        self.shard_tokens, self.fingerprints = [], []
         for path in self.files:  # every file readable, with a sound header and some tokens, before the first step
             read_shard(path, max_tokens=0)
             self.shard_tokens.append((os.path.getsize(path) - SHARD_HEADER_INTS * 4) // 2)
             if self.shard_tokens[-1] == 0:
                 raise DataError(f"{path}: the shard holds no tokens (a header only); remove it or re-tokenize")
+            self.fingerprints.append(shard_fingerprint(path))
         self.rank, self.world_size, self.device, self.cycle = rank, world_size, device, cycle
         self.vocab_size = vocab_size  # token ids are checked against it as each shard is read
         self.bigram_rows = bigram_rows  # rows of the model's bigram embedding (0: none)
@@ -723,7 +747,8 @@ class TrainLoader:
         return (self.shard + 1) % len(self.files)
 
     def state_dict(self):
-        return dict(shard=self.shard, cursor=self.cursor, epoch=self.epoch, files=self.files)
+        return dict(shard=self.shard, cursor=self.cursor, epoch=self.epoch, files=self.files,
+                    fingerprints=self.fingerprints)
 
     def load_state_dict(self, state):
         """Continue where the state was taken. The position (shard, BOS cursor) is that of the global
@@ -3527,10 +3552,36 @@ def check_resumable(path, snap, hp, total_steps):
                           f"pass the same settings, or --force to continue with the new ones")
 
 
-def check_log_continues(path, hp, total_steps):
+def shard_difference(loader_state, files, fingerprints):
+    """One line naming the first of `files` whose size or sampled checksum (shard_fingerprint) differs from those a
+    checkpoint's loader state recorded for the shard of its name; None if none does (or none is recorded)."""
+    recorded = dict(zip((Path(f).name for f in loader_state.get("files") or []), loader_state.get("fingerprints") or []))
+    for path, (size, digest) in zip(files, fingerprints):
+        theirs = recorded.get(Path(path).name)
+        if theirs is None or tuple(theirs) == (size, digest):
+            continue
+        why = (f"{size:,} bytes where that run read {theirs[0]:,}" if size != theirs[0] else
+               f"the same {size:,} bytes, other contents: sampled sha256 {digest[:12]}, that run's {theirs[1][:12]}")
+        return f"{path} is not the training shard the checkpoint's run read under that name ({why})"
+    return None
+
+
+def check_same_shards(path, loader_state, loader, force, log):
+    """Refuse, unless --force, to resume on a training shard that is not the one of its name the checkpoint's run
+    read (the next batches, and the --bigram_prior counted from the shards, would not be that run's)."""
+    difference = shard_difference(loader_state, loader.files, loader.fingerprints)
+    if difference and not force:
+        raise DataError(f"{difference}; {path} continues only on the shards it was trained on: put that shard back, "
+                        f"or pass --force to continue on this one")
+    if difference:
+        log(f"warning: {difference}; --force continues on it")
+
+
+def check_log_continues(path, hp, total_steps, checkpoint_folder):
     """For --resume auto with an existing log: continue it only if it is this run's own, i.e. written by
-    this very script with the same trajectory settings and seed, and the run has not finished; otherwise
-    the run id belongs to another run and is refused as taken."""
+    this very script with the same trajectory settings and seed, and the run has not finished (or finished
+    without the final.pt that --save_checkpoint asks for: a stop during its write; the run then continues from
+    its last checkpoint and writes it); otherwise the run id belongs to another run and is refused as taken."""
     text = path.read_text(encoding="utf-8", errors="replace")
     head = script_source() + SEPARATOR + "\n"
     if not text.startswith(head):
@@ -3549,7 +3600,8 @@ def check_log_continues(path, hp, total_steps):
         theirs = {name: theirs.get(name, "(not recorded)") for name in changed}
         raise ConfigError(f"{path} was written with {_flags(theirs, changed)} but this run has {_flags(ours, changed)}: "
                           f"the run id {path.stem!r} is taken by another run; pass another --run_id")
-    if re.search(rf"^step:{total_steps}/{total_steps} val_loss:", output, re.M):
+    finished = re.search(rf"^step:{total_steps}/{total_steps} val_loss:", output, re.M)
+    if finished and not (hp.save_checkpoint and not (Path(checkpoint_folder) / "final.pt").exists()):
         raise ConfigError(f"{path}: the run {path.stem!r} has finished (its log holds the final validation); pass "
                           f"another --run_id to train again")
 
@@ -3566,7 +3618,7 @@ def check_outputs(hp, log_path, checkpoint_folder, total_steps):
         return False
     if hp.resume != "auto":
         raise ConfigError(run_id_taken(log_path))
-    check_log_continues(log_path, hp, total_steps)
+    check_log_continues(log_path, hp, total_steps, checkpoint_folder)
     return True
 
 
@@ -4144,6 +4196,7 @@ class Trainer:
             self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder, self.log, continuing)
             if self.resume_from is not None:
                 check_resumable(self.resume_path, self.resume_from, hp, self.total_steps)
+                check_same_shards(self.resume_path, self.resume_from["loader"], self.loader, hp.force, self.log)
         check_ranks_agree(rank_settings(hp, self.device, self.loader.files, val_files,
                                         self.resume_from["step"] if self.resume_from else 0))
         for warning in restart_warnings(hp):

@@ -221,6 +221,7 @@ def logged_run(corpus, tmp_path):
     (["--seed", "1"], "", ["--seed 0 but this run has --seed 1", "is taken"]),
     ([], "script", ["written by a different train_gpt.py", "is taken"]),
     ([], "finished", ["the run 'mine' has finished"]),
+    (["--save_checkpoint", "true"], "finished with final.pt", ["the run 'mine' has finished"]),
     (["--resume", ""], "", ["mine.txt exists: the run id 'mine' is taken", "--resume auto"]),
 ])
 def test_a_log_that_is_not_this_runs_is_not_continued(logged_run, capsys, extra, edit, needles):
@@ -229,12 +230,78 @@ def test_a_log_that_is_not_this_runs_is_not_continued(logged_run, capsys, extra,
     log, argv = logged_run
     if edit == "script":
         log.write_text("# edited\n" + log.read_text())
-    elif edit == "finished":
+    elif edit.startswith("finished"):
         log.write_text(log.read_text() + "step:8/8 val_loss:9.2518 train_time:1ms step_avg:0.12ms\n")
+    if edit == "finished with final.pt":
+        (log.parent / "checkpoints" / "mine").mkdir(parents=True)
+        tg.save_checkpoint(log.parent / "checkpoints" / "mine" / "final.pt", {"step": 8})
     before = log.read_text()
     _, code, err = run_main([*argv, *extra], capsys)
     one_line_error(code, err, *needles)
     assert log.read_text() == before
+
+
+def test_a_finished_run_without_the_final_checkpoint_it_asked_for_is_continued(logged_run, capsys):
+    """Ctrl-C during the write of final.pt left a finished log and no final.pt, and --resume auto refused the
+    run as finished: final.pt could never be made under its id. With --save_checkpoint true the run continues
+    (from its last checkpoint; here none: from step 0) and writes it; without, it stays finished."""
+    log, argv = logged_run
+    log.write_text(log.read_text() + "step:8/8 val_loss:9.2518 train_time:1ms step_avg:0.12ms\n")
+    _, code, err = run_main(argv, capsys)
+    one_line_error(code, err, "the run 'mine' has finished")
+    with pytest.MonkeyPatch.context() as patch:  # only the start: no need to train
+        patch.setattr(tg.Trainer, "run", lambda self: self.loader.close())
+        _, code, err = run_main([*argv, "--save_checkpoint", "true"], capsys)
+    assert code == 0, err
+    assert "continued by --resume auto with args:" in log.read_text() and "starting at step 0" in log.read_text()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_final_checkpoint_write_is_made_good_by_resume_auto(corpus, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while final.pt is written (exit 130, as its message says: continue with --resume auto): the resumed
+    run continues from the last periodic checkpoint (step 4), ends with the same val losses and writes final.pt;
+    a further --resume auto is refused as finished."""
+    argv = short(corpus, "--log_dir", tmp_path, "--run_id", "fin", "--save_every", 4, "--save_checkpoint", "true",
+                 "--resume", "auto")
+    real = tg.save_checkpoint
+
+    def interrupted_final(path, payload):
+        if Path(path).name == "final.pt":
+            raise KeyboardInterrupt
+        real(path, payload)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tg, "save_checkpoint", interrupted_final)
+        _, code, err = run_main(argv, capsys)
+    final = tmp_path / "checkpoints" / "fin" / "final.pt"
+    assert code == 130 and "--resume auto" in err and not final.exists(), err
+    first = val_losses((tmp_path / "fin.txt").read_text())
+    resumed, code, err = run_main(argv, capsys)
+    assert code == 0, err
+    assert f"resumed from {final.with_name('step_000004.pt')} at step 4" in (tmp_path / "fin.txt").read_text()
+    assert tg.load_checkpoint(final)["step"] == 8 and [f"{v:.4f}" for _, v in resumed] == first[2:]
+    _, code, err = run_main(argv, capsys)
+    one_line_error(code, err, "the run 'fin' has finished")
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_replaced_training_shard_unless_forced(corpus, tmp_path, capsys, monkeypatch):
+    """Resume matched the shards by name only: a shard replaced under the same name trained on, silently."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shard = data / "synthetic_train_000001.bin"
+    tokens = tg.read_shard(next(corpus.glob("synthetic_train_*.bin")))
+    tg.write_shard(shard, tokens)
+    argv = [*short(corpus, "--log_dir", tmp_path, "--run_id", "swap", "--save_every", 2, "--resume", "auto"),
+            "--train_files", str(data / "synthetic_train_*.bin")]
+    interrupted_run(argv, capsys, monkeypatch, 3)
+    tg.write_shard(shard, tokens[::-1])  # the same size, other contents
+    _, code, err = run_main(argv, capsys)
+    one_line_error(code, err, f"{shard} is not the training shard the checkpoint's run read under that name",
+                   "other contents", "put that shard back, or pass --force")
+    result, code, err = run_main([*argv, "--force"], capsys)
+    assert code == 0 and result[-1][0] == 8, err
+    assert f"warning: {shard} is not the training shard" in (tmp_path / "swap.txt").read_text()
 
 
 def test_restarts_without_their_settings_are_warned_on_the_terminal_and_in_the_log(corpus, tmp_path, capsys,
