@@ -287,6 +287,14 @@ def parse_args(argv=None):
 
 
 MTP_HORIZON = 3  # the multi-token-prediction loss weighs the next 1, 2 and 3 tokens
+# The smallest --micro_batch_tokens cap: one attention tile. A piece runs its tokens, up to --max_seq_len tokens of
+# context and 2 targets, so 128-token pieces already spend ~17 positions per token trained at --max_seq_len 2048;
+# smaller caps only multiply the forwards (a cap of 1: thousands per step, for hours).
+MIN_MICRO_BATCH_TOKENS = 128
+# The CPU loss sums exp(logits) unshifted in fp32 (the prior's log-probabilities are <= 0: nothing overflows). Under
+# the prior a context's likeliest next token may have P = 1 / vocab, so every row's sum stays above 0 (whose log
+# is -inf) while --bigram_prior x ln(vocab) <= 87 (exp(-87) is about fp32's smallest normal): a weight <= 8.04.
+PRIOR_EXP_FLOOR = 87.0
 
 # (flags, test, what the test means): applied to every value of a tuple flag
 VALUE_RULES = [
@@ -331,6 +339,12 @@ def check_hyperparameters(hp):
         raise ConfigError(f"--val_tokens {hp.val_tokens} must be a multiple of --val_batch_size {hp.val_batch_size}")
     if hp.vocab_size <= BOS_ID:
         raise ConfigError(f"--vocab_size {hp.vocab_size} must exceed {BOS_ID}, the shards' document-start token (GPT-2 ids)")
+    prior_bound = PRIOR_EXP_FLOOR / math.log(hp.vocab_size)
+    if hp.bigram_prior > prior_bound:
+        raise ConfigError(f"--bigram_prior {hp.bigram_prior:g} is above {prior_bound:.4g}: the CPU loss sums exp of the "
+                          f"logits in fp32, and under the prior a token's likeliest successor may have P = 1/"
+                          f"{hp.vocab_size}, so the weight x ln({hp.vocab_size}) must stay below {PRIOR_EXP_FLOOR:g} "
+                          f"(else exp underflows to 0 and the loss is -inf); use a weight up to {prior_bound:.4g}")
     if hp.num_heads * hp.head_dim != hp.model_dim:
         raise ConfigError(f"--num_heads x --head_dim must equal --model_dim (the merged QKVO weight applies O as a "
                           f"{hp.model_dim} x {hp.model_dim} map); got {hp.num_heads} x {hp.head_dim} vs {hp.model_dim}")
@@ -349,6 +363,10 @@ def check_hyperparameters(hp):
     if hp.bigram_vocab_size == 1 or (hp.bigram_vocab_size and hp.bigram_dim > hp.model_dim):
         raise ConfigError(f"--bigram_vocab_size must be 0 (off) or at least 2 and --bigram_dim at most --model_dim, got "
                           f"{hp.bigram_vocab_size} and {hp.bigram_dim}")
+    if 0 < hp.micro_batch_tokens < MIN_MICRO_BATCH_TOKENS:
+        raise ConfigError(f"--micro_batch_tokens {hp.micro_batch_tokens} is below {MIN_MICRO_BATCH_TOKENS}, the smallest "
+                          f"cap: every piece also runs up to --max_seq_len tokens of context, so smaller pieces cost a "
+                          f"forward of mostly context each; pass 0 (no cap) or at least {MIN_MICRO_BATCH_TOKENS}")
     if hp.save_every % 2:
         raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
     for name, choices in (("device", ("auto", "cuda", "cpu")), ("matrix_optimizer", MATRIX_OPTIMIZERS),
@@ -731,12 +749,20 @@ class TrainLoader:
         self.tokens, self.bos = self._load(shard)
         if self.bos.complete:
             self._check_has_documents()
+        self._check_has_text()
         self._prefetch = self._pool.submit(self._load, self._following_shard())
 
     def _check_has_documents(self):
         if self.bos.available(need_all=True).size == 0:
             raise DataError(f"{self.files[self.shard]}: no document start (token {BOS_ID}) in its {self.tokens.size} "
                             f"tokens; every document must begin with it (re-tokenize the shard)")
+
+    def _check_has_text(self):
+        """Refuse a shard of nothing but document tokens (as far as it is indexed: a large one's first part)."""
+        starts = self.bos.available().size
+        if starts == (self.tokens.size if self.bos.complete else BOS_SYNC_TOKENS):
+            raise DataError(f"{self.files[self.shard]}: its {'' if self.bos.complete else 'first '}{starts:,} tokens are "
+                            f"all the document token {BOS_ID}, documents with no text; re-tokenize the shard")
 
     def close(self):
         """Stop the background threads (a pending prefetch is dropped)."""
@@ -768,6 +794,7 @@ class TrainLoader:
         self.shard = self._following_shard()
         self.cursor = 0
         self.tokens, self.bos = self._prefetch.result()
+        self._check_has_text()
         self._prefetch = self._pool.submit(self._load, self._following_shard())
 
     def next_batch(self, rank_tokens, max_seq_len):
@@ -3794,9 +3821,10 @@ def setup_distributed(hp):
 
 def resolve_data(hp, rank):
     """(train glob, val glob, description), prefixed by $DATA_PATH. The synthetic corpus replaces the
-    data only with --synthetic_fallback, when both globs are left at their defaults and match nothing;
-    it lives in the working folder's data/synthetic/ (never written under a DATA_PATH); a glob the user
-    gave that matches nothing is an error."""
+    data only with --synthetic_fallback, when both globs are left at their defaults and neither matches
+    (one that matches while the other does not is an error: half of the real data, never silently
+    swapped); it lives in the working folder's data/synthetic/ (never written under a DATA_PATH); a glob
+    the user gave that matches nothing is an error."""
     data_path = os.environ.get("DATA_PATH")
     if data_path and not Path(data_path).is_dir():
         raise DataError(f"DATA_PATH {data_path} is not a folder; set it to the folder that holds data/ (or unset it)")
@@ -3804,7 +3832,7 @@ def resolve_data(hp, rank):
     train, val = str(root / hp.train_files), str(root / hp.val_files)
     defaults = Hyperparameters()
     untouched = (hp.train_files, hp.val_files) == (defaults.train_files, defaults.val_files)
-    if hp.synthetic_fallback and untouched and not (glob.glob(train) and glob.glob(val)):
+    if hp.synthetic_fallback and untouched and not (glob.glob(train) or glob.glob(val)):
         folder = Path("data") / "synthetic"
         train, val = str(folder / "synthetic_train_*.bin"), str(folder / "synthetic_val_*.bin")
         if rank == 0 and not (glob.glob(train) and glob.glob(val)):
@@ -3814,8 +3842,10 @@ def resolve_data(hp, rank):
         return train, val, f"the synthetic corpus in {folder} (no shards match the default --train_files/--val_files)"
     for flag, pattern in (("--train_files", train), ("--val_files", val)):
         if not glob.glob(pattern):
-            raise DataError(f"{flag} {pattern!r} matches no file; download shards with `python data/cached_fineweb10B.py` "
-                            f"or pass a glob that matches")
+            fallback = (" (--synthetic_fallback replaces the data only when neither glob matches)"
+                        if hp.synthetic_fallback and untouched else "")
+            raise DataError(f"{flag} {pattern!r} matches no file{fallback}; download shards with `python "
+                            f"data/cached_fineweb10B.py` or pass a glob that matches")
     return train, val, f"train {train}, val {val}"
 
 
@@ -3963,8 +3993,9 @@ class LateLossCheck:
             done.synchronize()  # waits for that step only, not for the work queued since
         value, stop_votes = totals.tolist()
         if not math.isfinite(value):
-            raise FloatingPointError(f"training loss is {value} at step {step}; lower the learning rates "
-                                     f"(--muon_lr/--adam_lr) or check the data, then rerun")
+            hint = ("before any update, so not from the learning rates: check the data and the model's flags" if step == 0
+                    else "lower the learning rates (--muon_lr/--adam_lr) or check the data")
+            raise FloatingPointError(f"training loss is {value} at step {step}; {hint}, then rerun")
         return stop_votes > 0
 
 
@@ -4116,7 +4147,48 @@ def open_data(hp, rank, world_size, device, accum, log):
         raise DataError(f"--batch_sizes {max(hp.batch_sizes)} takes {per_micro_step} tokens per micro-step from one "
                         f"shard, but the largest training shard holds {max(loader.shard_tokens)}; use smaller batches "
                         f"or larger shards")
+    if not hp.cycle_data:
+        check_shards_last(hp, loader.files, loader.shard_tokens, world_size, accum)
     return loader, val_tokens, sorted(glob.glob(val_pattern))
+
+
+DATA_WALK_MAX_TOKENS = 1 << 26  # shards walked through before the first step when they hold no more (~0.2 s of reading)
+
+
+def check_shards_last(hp, files, shard_tokens, world_size, accum):
+    """Refuse, before the first step, training shards that run out before the last one: shards that hold fewer
+    tokens than the run takes (each micro-step its tokens and one more target per rank), or, where they are few
+    enough to read at once, the loader's own walk over their documents (step_shards_run_out)."""
+    total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
+    fix = "add training shards, shorten the run (--num_scheduled_iterations) or pass --cycle_data true"
+    needed = sum((stage.end_step - stage.first_step) * (stage.batch_tokens + world_size * accum) for stage in stages(hp))
+    if sum(shard_tokens) < needed:
+        raise DataError(f"the {len(files)} training shard(s) hold {sum(shard_tokens):,} tokens, but the run's "
+                        f"{total_steps} steps take at least {needed:,}; {fix}")
+    step = step_shards_run_out(hp, files, world_size, accum) if sum(shard_tokens) <= DATA_WALK_MAX_TOKENS else None
+    if step is not None:
+        raise DataError(f"the {len(files)} training shard(s) ({sum(shard_tokens):,} tokens) run out at step {step} of "
+                        f"{total_steps}: a micro-step takes whole documents of at most --max_seq_len tokens from one "
+                        f"shard and skips the rest of each; {fix}")
+
+
+def step_shards_run_out(hp, files, world_size, accum):
+    """The first step whose micro-steps the shards cannot fill, walking their documents as TrainLoader.next_pieces
+    does (plan_pieces, from one shard to the next; nothing gathered), or None if they last the run."""
+    shard, cursor, bos, size = -1, 0, np.zeros(0, dtype=np.int64), 0
+    for stage in stages(hp):
+        rank_tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
+        for step in range(stage.first_step, stage.end_step):
+            for _ in range(accum):
+                while bos.size == 0 or (plan := plan_pieces(bos, size, cursor, world_size, rank_tokens + 1,
+                                                            stage.max_seq_len)) is None:
+                    shard, cursor = shard + 1, 0
+                    if shard == len(files):
+                        return step
+                    tokens = read_shard(files[shard])
+                    bos, size = np.flatnonzero(tokens == BOS_ID), tokens.size
+                cursor = plan[1]
+    return None
 
 
 def start_model(hp, device, world_size, accum):
