@@ -16,14 +16,18 @@ import os
 import signal
 import sys
 
-if __name__ == "__main__":  # a stop signal during the imports below (seconds) ends as one before the first step does
+if __name__ == "__main__":  # a stop signal or Ctrl-C during the imports below (seconds) ends as one before the first step does
     def _stopped_while_importing(signum, frame):
         if os.environ.get("RANK", "0").strip() in ("", "0"):
-            print(f"train_gpt.py: stopped by {signal.Signals(signum).name} before the first training step; nothing new "
-                  f"to save", file=sys.stderr)
-        sys.exit(75)  # PREEMPTED_EXIT_CODE (main's StopSignals takes over once the imports are done)
+            try:
+                print(f"train_gpt.py: stopped by {signal.Signals(signum).name} before the first training step; nothing "
+                      f"new to save", file=sys.stderr)
+            except OSError:  # (no terminal any more: SIGHUP)
+                pass
+        # 130 as main's Ctrl-C, else PREEMPTED_EXIT_CODE (main's handlers take over once the imports are done)
+        sys.exit(130 if signum == signal.SIGINT else 75)
 
-    for _signal in (signal.SIGTERM, signal.SIGUSR1):
+    for _signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT):
         signal.signal(_signal, _stopped_while_importing)
 
 import argparse
@@ -3393,7 +3397,7 @@ class RunLog:
             self.waiting.append((line, console))
             return
         if console:
-            print(line, flush=True)
+            to_console(line, sys.stdout)
         self._append(line)
 
     def _append(self, line):
@@ -3449,6 +3453,19 @@ class RunLock:
         for folder in self.made:  # only folders the lock itself made, and only while empty
             with contextlib.suppress(OSError):
                 folder.rmdir()
+
+
+def to_console(line, stream):
+    """Print a line, flushed. A console that is gone (the terminal closed: SIGHUP; a closed pipe) is let go: its
+    file descriptor then points at the null device (so no later write or the exit's flush fails: the log keeps
+    every line)."""
+    try:
+        print(line, file=stream, flush=True)
+    except OSError:
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, stream.fileno())
+            os.close(null)
 
 
 def run_id_taken(path):
@@ -4000,13 +4017,13 @@ class LateLossCheck:
 
 
 class StopSignals:
-    """SIGTERM and SIGUSR1 (what schedulers send before they kill: SLURM, Kubernetes, spot instances) ask
-    the run to stop. Before the first training step there is nothing to save, so a signal stops the
+    """SIGTERM and SIGUSR1 (what schedulers send before they kill: SLURM, Kubernetes, spot instances) and SIGHUP
+    (the terminal or ssh session of the run closed) ask the run to stop. Before the first training step there is nothing to save, so a signal stops the
     process at once (Preempted). From note_from_now_on() (the training loop) the handler only notes the
     first signal; the loop carries the request to every rank and stops them all at the same step, after
     a checkpoint. Further signals change nothing, so one during the checkpoint's write cannot cut it short."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
     def __init__(self):
         self.received, self.noting, self._previous = None, False, {}
@@ -4472,7 +4489,7 @@ def main(argv=None):
             return trainer.run()
         except Preempted as e:
             if os.environ.get("RANK", "0").strip() in ("", "0"):  # (also when RANK is not a number)
-                print(f"train_gpt.py: {e}", file=sys.stderr)
+                to_console(f"train_gpt.py: {e}", sys.stderr)
             if trainer is not None:
                 trainer.log.record_ending(str(e))
             sys.exit(PREEMPTED_EXIT_CODE)
@@ -4490,11 +4507,12 @@ def main(argv=None):
 def fail(trainer, message, code=2):
     """End the run with one error line on stderr, also in the run's log once that is open."""
     line = f"train_gpt.py: error: {message}"
-    print(line, file=sys.stderr)
+    to_console(line, sys.stderr)
     if trainer is not None:
         trainer.log.record_ending(line)
     sys.exit(code)
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt again (main reports it)
     main()

@@ -178,16 +178,51 @@ def test_plan_memory_refuses_bad_flags_in_one_line(corpus, tmp_path, capsys, ext
     one_line_error(code, err, needle, prog="plan_memory.py")
 
 
+@pytest.mark.parametrize("flag", [["--world_size", "8"], ["--world_size=8"]])
+def test_plan_memory_points_a_world_size_flag_at_the_environment(corpus, tmp_path, capsys, flag):
+    code, err = run_plan([*tiny(corpus, tmp_path), *flag], capsys)
+    one_line_error(code, err, "--world_size is not a flag of this tool", "WORLD_SIZE=N python tools/plan_memory.py",
+                   prog="plan_memory.py")
+
+
+def test_plan_memory_prints_the_plan_outside_torchrun_whatever_rank_says(corpus, tmp_path, capsys, monkeypatch):
+    """RANK=1 WORLD_SIZE=2 outside torchrun printed nothing, with exit status 0: the plan is rank 0's of 2."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(pm, "plan_report", lambda hp, world_size, gb: [f"the plan of rank 0 of {world_size}"])
+    capsys.readouterr()
+    pm.main(tiny(corpus, tmp_path))
+    assert capsys.readouterr().out == "the plan of rank 0 of 2\n"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "under-torchrun")  # there only rank 0 prints
+    pm.main(tiny(corpus, tmp_path))
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("restarts", ["abc", "-1", "1.5", " "])
+@pytest.mark.parametrize("restarts", ["abc", "-1", "1.5", " ", "12345678901234567890"])
 def test_run_sh_refuses_a_restarts_that_is_not_a_count(tmp_path, restarts):
     """It used to print `integer expression expected` twice and train without restarts (or train silently
-    without them for -1). PYTHON names a program that fails if run: the refusal comes before any launch."""
+    without them for -1; a 20-digit count overflowed bash's integers the same way). PYTHON names a program that
+    fails if run: the refusal comes before any launch."""
     done = subprocess.run(["bash", str(REPO / "run.sh")], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "RESTARTS": restarts, "PYTHON": "false"})
     assert done.returncode == 2 and done.stdout == "", done
-    assert done.stderr == f"run.sh: error: RESTARTS={restarts} is not a number of restarts; set it to 0 or more " \
-                          f"(or unset it)\n", done.stderr
+    assert done.stderr == f"run.sh: error: RESTARTS={restarts} is not a number of restarts; set it to 0 to " \
+                          f"999999999 (or unset it)\n", done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of run.sh")
+def test_run_sh_refuses_a_bad_flag_under_restarts_once_before_torchrun(tmp_path):
+    """torchrun started the worker with the bad flag, and restarted it: the error printed once per attempt."""
+    done = subprocess.run(["bash", str(REPO / "run.sh"), "--adam_lr", "-1", "--run_id", "x", "--log_dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RESTARTS": "2", "PYTHON": sys.executable})
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr == ("run.sh: no GPU found; running the cpu preset on one process\n"
+                           "train_gpt.py: error: --adam_lr must be positive, got -1.0\n"), done.stderr
+    assert not list(tmp_path.iterdir())
 
 
 def test_cpu_preset_stays_on_the_cpu_where_cuda_exists(monkeypatch):

@@ -23,7 +23,7 @@ import torch
 import train_gpt as tg
 from test_bad_input import one_line_error
 from test_multinode import free_port, single_log, torchrun
-from test_training import corpus, env, restore_threads, run_main, short, val_losses  # noqa: F401 (fixtures)
+from test_training import corpus, env, restore_threads, run_main, short, tiny, val_losses  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("restore_threads")  # in-process runs set torch's thread count
 
@@ -111,6 +111,56 @@ def test_sigterm_stops_every_rank_at_one_checkpoint_and_resume_auto_ends_the_sam
     log = single_log(tmp_path)
     assert f"resumed from {checkpoint.relative_to(tmp_path)} at step {STOPS_AT}" in log
     assert val_losses(log) == uninterrupted(world_size)  # (the resumed run's lines come last for each step)
+
+
+@pytest.mark.slow
+def test_sighup_with_the_terminal_gone_checkpoints_and_resume_auto_ends_the_same(corpus, tmp_path, uninterrupted):
+    """A closed terminal or ssh session: SIGHUP, and every write to the terminal fails (here pipes whose reader is
+    gone). It used to end the run with no checkpoint and no log line; now it stops as at SIGTERM."""
+    args = short(corpus, "--run_id", "hup", "--save_every", 2, "--resume", "auto")
+    proc = subprocess.Popen([sys.executable, str(RUNNER), *map(str, args)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**env(), "FAULT_AFTER_STEP": f"0:{SIGNALLED_AFTER}:HUP"})
+    proc.stdout.close()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == tg.PREEMPTED_EXIT_CODE
+    log = single_log(tmp_path)
+    checkpoint = sound_checkpoint_at(tmp_path / "logs" / "checkpoints" / "hup", STOPS_AT)
+    assert f"preempted at step {STOPS_AT} by SIGHUP, checkpoint {checkpoint.relative_to(tmp_path)}" in log
+    [(code, _, err)] = run_ranks(args, tmp_path)
+    assert code == 0, err[-3000:]
+    assert val_losses(single_log(tmp_path)) == uninterrupted(1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of run.sh")
+def test_sigterm_to_run_sh_under_restarts_checkpoints_and_ends_in_one_line(corpus, tmp_path):
+    """run.sh with RESTARTS on a CPU runs torchrun; SIGTERM to it reaches the worker, which checkpoints and stops.
+    torchrun then ended with its 30-line traceback and exit status 1 (and, after its default 30 s, killed a CPU
+    worker still on its way to the checkpoint: run.sh gives it TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300); now it ends
+    with one line and 128 + 15. The signal is sent once the log shows step 3 (the run has 300 steps)."""
+    logs = tmp_path / "logs"
+    args = [*tiny(corpus, "--num_scheduled_iterations", 300, "--num_extension_iterations", 0, "--val_loss_every", 0),
+            "--save_every", "2", "--log_dir", str(logs), "--run_id", "sh"]
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        proc = subprocess.Popen(["bash", str(Path(tg.__file__).with_name("run.sh")), *args], stdout=out, stderr=err,
+                                env={**env(), "RESTARTS": "1", "PYTHON": sys.executable})
+        try:
+            deadline = time.monotonic() + 240
+            while not re.search(r"^step:3/300 ", (logs / "sh.txt").read_text() if (logs / "sh.txt").exists() else "",
+                                re.M):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()[-3000:]
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        err.seek(0)
+        stderr = err.read()
+    assert code == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.endswith("run.sh: torchrun stopped by SIGTERM and passed it on to its workers\n"), stderr[-3000:]
+    stopped = re.search(r"^preempted at step (\d+) by SIGTERM, checkpoint (\S+);", (logs / "sh.txt").read_text(), re.M)
+    assert stopped and tg.load_checkpoint(stopped[2])["step"] == int(stopped[1]), stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -368,18 +418,40 @@ def test_a_stop_signal_before_training_stops_at_once_and_one_during_training_is_
         with pytest.raises(tg.Preempted, match="stopped by SIGTERM before the first training step"):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # (the handler runs at once; sleep only if it had not)
+        with pytest.raises(tg.Preempted, match="stopped by SIGHUP before the first training step"):
+            os.kill(os.getpid(), signal.SIGHUP)  # (a closed terminal or ssh session: treated as SIGTERM)
+            time.sleep(5)
         stop.note_from_now_on()
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGHUP)
         assert stop.received == "SIGUSR1"
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_console_that_is_gone_loses_only_its_copy_of_the_log(tmp_path, monkeypatch):
+    """A closed terminal (SIGHUP) or pipe: the first failed write points the stream's descriptor at the null
+    device; the log file gets every line and nothing raises (a print to it used to end the run)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # writes to the pipe now fail (EPIPE)
+    gone = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", gone)
+    log = tg.RunLog(tmp_path / "run.txt", True)
+    log.open()
+    log("step:1/2 train_time:1ms step_avg:1.00ms")
+    log("step:2/2 train_time:2ms step_avg:1.00ms")
+    assert (tmp_path / "run.txt").read_text().endswith("step:1/2 train_time:1ms step_avg:1.00ms\n"
+                                                         "step:2/2 train_time:2ms step_avg:1.00ms\n")
+    assert os.path.samestat(os.fstat(gone.fileno()), os.stat(os.devnull))
+    gone.close()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["TERM", "USR1"])
+@pytest.mark.parametrize("name", ["TERM", "USR1", "HUP", "INT"])
 def test_a_stop_signal_during_the_imports_exits_75_with_one_line(tmp_path, name):
     """The signal arrives exactly when the script imports numpy, its first import after the standard
-    library (torch's import takes seconds more): it used to end the process with 143 and no word."""
+    library (torch's import takes seconds more): it used to end the process with 143 and no word (SIGHUP: 129;
+    Ctrl-C: a KeyboardInterrupt traceback). Ctrl-C exits 130, as it does later in the run."""
     starter = (f"import builtins, os, runpy, signal, sys\n"
                f"real = builtins.__import__\n"
                f"def once(name, *args, **kwargs):\n"
@@ -392,7 +464,7 @@ def test_a_stop_signal_during_the_imports_exits_75_with_one_line(tmp_path, name)
                f"runpy.run_path({str(Path(tg.__file__))!r}, run_name='__main__')\n")
     done = subprocess.run([sys.executable, "-c", starter], cwd=tmp_path, env=env(), capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode == tg.PREEMPTED_EXIT_CODE, (done.returncode, done.stderr[-2000:])
+    assert done.returncode == (130 if name == "INT" else tg.PREEMPTED_EXIT_CODE), (done.returncode, done.stderr[-2000:])
     assert done.stderr == f"train_gpt.py: stopped by SIG{name} before the first training step; nothing new to save\n"
     assert not (tmp_path / "logs").exists()
 
