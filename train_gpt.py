@@ -4195,10 +4195,17 @@ def step_shards_run_out(hp, files, world_size, accum):
     shard, cursor, bos, size = -1, 0, np.zeros(0, dtype=np.int64), 0
     for stage in stages(hp):
         rank_tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
+        # the documents a micro-step can need (each gives a token at least): plan_pieces sees only those, so that a
+        # call costs the micro-step's documents, not the rest of the shard's
+        window = world_size * (rank_tokens + 1) + 1
         for step in range(stage.first_step, stage.end_step):
             for _ in range(accum):
-                while bos.size == 0 or (plan := plan_pieces(bos, size, cursor, world_size, rank_tokens + 1,
-                                                            stage.max_seq_len)) is None:
+                while True:
+                    end = int(bos[cursor + window]) if cursor + window < bos.size else size
+                    plan = plan_pieces(bos[: cursor + window], end, cursor, world_size, rank_tokens + 1,
+                                       stage.max_seq_len) if bos.size else None
+                    if plan is not None:
+                        break
                     shard, cursor = shard + 1, 0
                     if shard == len(files):
                         return step
