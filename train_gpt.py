@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-if __name__ == "__main__":  # a stop signal or Ctrl-C during the imports below (seconds) ends as one before the first step does
+if __name__ == "__main__":  # a stop signal or Ctrl-C during the imports below (seconds) ends as before the first step
     def _stopped_while_importing(signum, frame):
         if os.environ.get("RANK", "0").strip() in ("", "0"):
             try:
@@ -4018,8 +4018,8 @@ class LateLossCheck:
 
 class StopSignals:
     """SIGTERM and SIGUSR1 (what schedulers send before they kill: SLURM, Kubernetes, spot instances) and SIGHUP
-    (the terminal or ssh session of the run closed) ask the run to stop. Before the first training step there is nothing to save, so a signal stops the
-    process at once (Preempted). From note_from_now_on() (the training loop) the handler only notes the
+    (the terminal or ssh session of the run closed) ask the run to stop. Before the first training step there is
+    nothing to save, so a signal stops the process at once (Preempted). From note_from_now_on() (the training loop) the handler only notes the
     first signal; the loop carries the request to every rank and stops them all at the same step, after
     a checkpoint. Further signals change nothing, so one during the checkpoint's write cannot cut it short."""
 
