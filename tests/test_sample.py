@@ -275,8 +275,14 @@ def test_no_bpe_available(tmp_path, capsys, monkeypatch):
     one_line_error(code, err, "could not load tiktoken's gpt2 encoding", "--bpe")
 
 
-def test_an_empty_prompt_starts_from_the_document_token_alone(tmp_path, capsys, monkeypatch):
-    checkpoint = tiny_checkpoint(tmp_path / "tiny.pt")
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    """tiny_checkpoint's untrained model, written once for the tests that only read it."""
+    return tiny_checkpoint(tmp_path_factory.mktemp("untrained") / "tiny.pt")
+
+
+def test_an_empty_prompt_starts_from_the_document_token_alone(untrained, capsys, monkeypatch):
+    checkpoint = untrained
     appended = []
     append = sample.Decoder.append
     monkeypatch.setattr(sample.Decoder, "append", lambda self, ids: appended.append(list(ids)) or append(self, ids))
@@ -285,7 +291,7 @@ def test_an_empty_prompt_starts_from_the_document_token_alone(tmp_path, capsys, 
     assert appended[0] == [tg.BOS_ID] and len(appended) == 3 and re.search(r"^3 tokens in ", err, re.M), (appended, err)
 
 
-def test_tiny_temperatures_draw_the_greedy_limit(tmp_path, capsys):
+def test_tiny_temperatures_draw_the_greedy_limit(untrained, capsys):
     """softmax(logits / T) as T -> 0 puts all the mass on the largest logit: 1e-40 (below fp32's smallest normal)
     and 1e-300 (0 in fp32) gave NaN probabilities, from logits / T overflowing. Now every positive T is its own
     distribution, the tiniest the greedy draw."""
@@ -294,13 +300,11 @@ def test_tiny_temperatures_draw_the_greedy_limit(tmp_path, capsys):
         assert torch.equal(sample.probabilities(logits, temperature), torch.tensor([0.0, 1.0, 0.0, 0.0]))
     # an ordinary temperature: softmax(logits / T) to fp32 rounding (formed in fp64 from the logits less their max)
     assert torch.allclose(sample.probabilities(logits, 0.8), torch.softmax(logits / 0.8, dim=-1), rtol=1e-6, atol=0)
-    checkpoint = tiny_checkpoint(tmp_path / "tiny.pt")
-    argv = [checkpoint, "--prompt", "abc", "--max_new_tokens", 8]
+    argv = [untrained, "--prompt", "abc", "--max_new_tokens", 8]
     greedy = run_sample([*argv, "--temperature", 0], capsys)
     assert greedy[0] == 0, greedy[2]
-    for temperature in ("1e-40", "1e-300"):
-        code, out, err = run_sample([*argv, "--temperature", temperature], capsys)
-        assert code == 0 and out == greedy[1], (temperature, out, greedy[1], err)
+    code, out, err = run_sample([*argv, "--temperature", "1e-40"], capsys)
+    assert code == 0 and out == greedy[1], (out, greedy[1], err)
 
 
 def head_favouring_padding(model):
@@ -326,8 +330,8 @@ def test_padding_ids_of_the_vocabulary_are_never_drawn(tmp_path, capsys):
     assert "note: the model's --vocab_size 50304 pads the encoding's 50,257 ids; only those are drawn" in err
 
 
-def test_eval_of_too_few_tokens_is_one_line_and_rounding_is_said(tmp_path, capsys):
-    checkpoint = tiny_checkpoint(tmp_path / "tiny.pt")  # --val_batch_size 512
+def test_eval_of_too_few_tokens_is_one_line_and_rounding_is_said(untrained, tmp_path, capsys):
+    checkpoint = untrained  # --val_batch_size 512
     tg.write_shard(tmp_path / "one_000000.bin", [tg.BOS_ID])
     one_line_error(*run_sample([checkpoint, "--eval", tmp_path / "one_*.bin"], capsys)[::2],
                    "holds 1 token(s); scoring needs at least 2")
@@ -336,8 +340,8 @@ def test_eval_of_too_few_tokens_is_one_line_and_rounding_is_said(tmp_path, capsy
     assert code == 0 and out.startswith("val_loss:") and " over 512 tokens of " in out, (out, err)
     assert err == ("sample.py: note: scoring 512 of the 700 tokens asked for (--eval_tokens): whole forwards of "
                    "512 tokens\n"), err
-    code, out, err = run_sample([checkpoint, "--eval", tmp_path / "val_*.bin", "--eval_tokens", 1024], capsys)
-    assert code == 0 and " over 1,024 tokens of " in out and err == "", (out, err)
+    code, out, err = run_sample([checkpoint, "--eval", tmp_path / "val_*.bin", "--eval_tokens", 512], capsys)
+    assert code == 0 and " over 512 tokens of " in out and err == "", (out, err)
 
 
 def prior_checkpoint(folder, train):
@@ -357,7 +361,7 @@ def test_a_replaced_training_shard_is_refused_unless_forced(tmp_path, capsys):
     tg.write_shard(train, pattern_corpus(tmp_path, 20_000, seed=1))
     tg.write_shard(tmp_path / "val_000000.bin", pattern_corpus(tmp_path, 2_000, seed=0))
     checkpoint = prior_checkpoint(tmp_path, train)
-    argv = [checkpoint, "--eval", tmp_path / "val_*.bin"]
+    argv = [checkpoint, "--eval", tmp_path / "val_*.bin", "--eval_tokens", 512]
     code, right, err = run_sample(argv, capsys)
     assert code == 0 and right.startswith("val_loss:") and err == "", err
     other = np.random.default_rng(5).integers(0, 1000, 20_000)
@@ -368,11 +372,12 @@ def test_a_replaced_training_shard_is_refused_unless_forced(tmp_path, capsys):
     code, wrong, err = run_sample([*argv, "--force"], capsys)
     assert code == 0 and wrong.split()[0] != right.split()[0], (right, wrong)
     assert err.startswith(f"sample.py: warning: {train} is not the training shard") and "--force counts" in err, err
-    tg.write_shard(train, other[:10_000])
-    one_line_error(*run_sample(argv, capsys)[::2], "21,024 bytes where that run read 41,024")
 
 
+@pytest.mark.slow
 def test_moved_training_shards_are_found_with_train_files(tmp_path, capsys, monkeypatch):
+    """The hint for a missing training shard said to run from the training's folder, wrong for an absolute path,
+    and nothing could point at the shards' new place: --train_files GLOB does (the same --eval as before)."""
     train = tmp_path / "data" / "train_000001.bin"
     train.parent.mkdir()
     tg.write_shard(train, pattern_corpus(tmp_path, 20_000, seed=1))
