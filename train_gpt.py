@@ -16,14 +16,18 @@ import os
 import signal
 import sys
 
-if __name__ == "__main__":  # a stop signal during the imports below (seconds) ends as one before the first step does
+if __name__ == "__main__":  # a stop signal or Ctrl-C during the imports below (seconds) ends as before the first step
     def _stopped_while_importing(signum, frame):
         if os.environ.get("RANK", "0").strip() in ("", "0"):
-            print(f"train_gpt.py: stopped by {signal.Signals(signum).name} before the first training step; nothing new "
-                  f"to save", file=sys.stderr)
-        sys.exit(75)  # PREEMPTED_EXIT_CODE (main's StopSignals takes over once the imports are done)
+            try:
+                print(f"train_gpt.py: stopped by {signal.Signals(signum).name} before the first training step; nothing "
+                      f"new to save", file=sys.stderr)
+            except OSError:  # (no terminal any more: SIGHUP)
+                pass
+        # 130 as main's Ctrl-C, else PREEMPTED_EXIT_CODE (main's handlers take over once the imports are done)
+        sys.exit(130 if signum == signal.SIGINT else 75)
 
-    for _signal in (signal.SIGTERM, signal.SIGUSR1):
+    for _signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT):
         signal.signal(_signal, _stopped_while_importing)
 
 import argparse
@@ -287,6 +291,14 @@ def parse_args(argv=None):
 
 
 MTP_HORIZON = 3  # the multi-token-prediction loss weighs the next 1, 2 and 3 tokens
+# The smallest --micro_batch_tokens cap: one attention tile. A piece runs its tokens, up to --max_seq_len tokens of
+# context and 2 targets, so 128-token pieces already spend ~17 positions per token trained at --max_seq_len 2048;
+# smaller caps only multiply the forwards (a cap of 1: thousands per step, for hours).
+MIN_MICRO_BATCH_TOKENS = 128
+# The CPU loss sums exp(logits) unshifted in fp32 (the prior's log-probabilities are <= 0: nothing overflows). Under
+# the prior a context's likeliest next token may have P = 1 / vocab, so every row's sum stays above 0 (whose log
+# is -inf) while --bigram_prior x ln(vocab) <= 87 (exp(-87) is about fp32's smallest normal): a weight <= 8.04.
+PRIOR_EXP_FLOOR = 87.0
 
 # (flags, test, what the test means): applied to every value of a tuple flag
 VALUE_RULES = [
@@ -331,6 +343,12 @@ def check_hyperparameters(hp):
         raise ConfigError(f"--val_tokens {hp.val_tokens} must be a multiple of --val_batch_size {hp.val_batch_size}")
     if hp.vocab_size <= BOS_ID:
         raise ConfigError(f"--vocab_size {hp.vocab_size} must exceed {BOS_ID}, the shards' document-start token (GPT-2 ids)")
+    prior_bound = PRIOR_EXP_FLOOR / math.log(hp.vocab_size)
+    if hp.bigram_prior > prior_bound:
+        raise ConfigError(f"--bigram_prior {hp.bigram_prior:g} is above {prior_bound:.4g}: the CPU loss sums exp of the "
+                          f"logits in fp32, and under the prior a token's likeliest successor may have P = 1/"
+                          f"{hp.vocab_size}, so the weight x ln({hp.vocab_size}) must stay below {PRIOR_EXP_FLOOR:g} "
+                          f"(else exp underflows to 0 and the loss is -inf); use a weight up to {prior_bound:.4g}")
     if hp.num_heads * hp.head_dim != hp.model_dim:
         raise ConfigError(f"--num_heads x --head_dim must equal --model_dim (the merged QKVO weight applies O as a "
                           f"{hp.model_dim} x {hp.model_dim} map); got {hp.num_heads} x {hp.head_dim} vs {hp.model_dim}")
@@ -349,6 +367,10 @@ def check_hyperparameters(hp):
     if hp.bigram_vocab_size == 1 or (hp.bigram_vocab_size and hp.bigram_dim > hp.model_dim):
         raise ConfigError(f"--bigram_vocab_size must be 0 (off) or at least 2 and --bigram_dim at most --model_dim, got "
                           f"{hp.bigram_vocab_size} and {hp.bigram_dim}")
+    if 0 < hp.micro_batch_tokens < MIN_MICRO_BATCH_TOKENS:
+        raise ConfigError(f"--micro_batch_tokens {hp.micro_batch_tokens} is below {MIN_MICRO_BATCH_TOKENS}, the smallest "
+                          f"cap: every piece also runs up to --max_seq_len tokens of context, so smaller pieces cost a "
+                          f"forward of mostly context each; pass 0 (no cap) or at least {MIN_MICRO_BATCH_TOKENS}")
     if hp.save_every % 2:
         raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
     for name, choices in (("device", ("auto", "cuda", "cpu")), ("matrix_optimizer", MATRIX_OPTIMIZERS),
@@ -440,6 +462,29 @@ def read_shard(path, vocab_size=None, max_tokens=None):
         raise DataError(f"{path}: token id {tokens[position]} at position {position} is not below the vocabulary "
                         f"size {vocab_size}")
     return tokens
+
+
+SHARD_SAMPLES, SHARD_SAMPLE_BYTES = 64, 4096  # what shard_fingerprint reads besides the header: 256 KiB
+
+
+def shard_fingerprint(path):
+    """(size in bytes, sha256 of the header and of 64 blocks of 4 KiB spread evenly over the tokens): what a
+    checkpoint records of each training shard, so that another shard under the same name is noticed on resume and
+    by tools/sample.py. A shard up to 257 KiB is hashed whole; in a larger one an edit between the blocks goes
+    unseen (a cheap check: 65 reads whatever the size)."""
+    header_bytes = SHARD_HEADER_INTS * 4
+    digest = hashlib.sha256()
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            digest.update(f.read(header_bytes))
+            span = max(size - header_bytes - SHARD_SAMPLE_BYTES, 0)
+            for i in range(SHARD_SAMPLES):
+                f.seek(header_bytes + span * i // (SHARD_SAMPLES - 1))
+                digest.update(f.read(SHARD_SAMPLE_BYTES))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read shard ({e.strerror or e})") from None
+    return size, digest.hexdigest()
 
 
 def write_shard(path, tokens):
@@ -685,12 +730,13 @@ class TrainLoader:
         if not self.files:
             raise DataError(f"no training shards match {pattern!r}; download them with "
                             f"`python data/cached_fineweb10B.py` or pass --train_files")
-        self.shard_tokens = []
+        self.shard_tokens, self.fingerprints = [], []
         for path in self.files:  # every file readable, with a sound header and some tokens, before the first step
             read_shard(path, max_tokens=0)
             self.shard_tokens.append((os.path.getsize(path) - SHARD_HEADER_INTS * 4) // 2)
             if self.shard_tokens[-1] == 0:
                 raise DataError(f"{path}: the shard holds no tokens (a header only); remove it or re-tokenize")
+            self.fingerprints.append(shard_fingerprint(path))
         self.rank, self.world_size, self.device, self.cycle = rank, world_size, device, cycle
         self.vocab_size = vocab_size  # token ids are checked against it as each shard is read
         self.bigram_rows = bigram_rows  # rows of the model's bigram embedding (0: none)
@@ -707,12 +753,20 @@ class TrainLoader:
         self.tokens, self.bos = self._load(shard)
         if self.bos.complete:
             self._check_has_documents()
+        self._check_has_text()
         self._prefetch = self._pool.submit(self._load, self._following_shard())
 
     def _check_has_documents(self):
         if self.bos.available(need_all=True).size == 0:
             raise DataError(f"{self.files[self.shard]}: no document start (token {BOS_ID}) in its {self.tokens.size} "
                             f"tokens; every document must begin with it (re-tokenize the shard)")
+
+    def _check_has_text(self):
+        """Refuse a shard of nothing but document tokens (as far as it is indexed: a large one's first part)."""
+        starts = self.bos.available().size
+        if starts == (self.tokens.size if self.bos.complete else BOS_SYNC_TOKENS):
+            raise DataError(f"{self.files[self.shard]}: its {'' if self.bos.complete else 'first '}{starts:,} tokens are "
+                            f"all the document token {BOS_ID}, documents with no text; re-tokenize the shard")
 
     def close(self):
         """Stop the background threads (a pending prefetch is dropped)."""
@@ -723,7 +777,8 @@ class TrainLoader:
         return (self.shard + 1) % len(self.files)
 
     def state_dict(self):
-        return dict(shard=self.shard, cursor=self.cursor, epoch=self.epoch, files=self.files)
+        return dict(shard=self.shard, cursor=self.cursor, epoch=self.epoch, files=self.files,
+                    fingerprints=self.fingerprints)
 
     def load_state_dict(self, state):
         """Continue where the state was taken. The position (shard, BOS cursor) is that of the global
@@ -743,6 +798,7 @@ class TrainLoader:
         self.shard = self._following_shard()
         self.cursor = 0
         self.tokens, self.bos = self._prefetch.result()
+        self._check_has_text()
         self._prefetch = self._pool.submit(self._load, self._following_shard())
 
     def next_batch(self, rank_tokens, max_seq_len):
@@ -3340,7 +3396,7 @@ class RunLog:
             self.waiting.append((line, console))
             return
         if console:
-            print(line, flush=True)
+            to_console(line, sys.stdout)
         self._append(line)
 
     def _append(self, line):
@@ -3396,6 +3452,19 @@ class RunLock:
         for folder in self.made:  # only folders the lock itself made, and only while empty
             with contextlib.suppress(OSError):
                 folder.rmdir()
+
+
+def to_console(line, stream):
+    """Print a line, flushed. A console that is gone (the terminal closed: SIGHUP; a closed pipe) is let go: its
+    file descriptor then points at the null device (so no later write or the exit's flush fails: the log keeps
+    every line)."""
+    try:
+        print(line, file=stream, flush=True)
+    except OSError:
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, stream.fileno())
+            os.close(null)
 
 
 def run_id_taken(path):
@@ -3526,10 +3595,36 @@ def check_resumable(path, snap, hp, total_steps):
                           f"pass the same settings, or --force to continue with the new ones")
 
 
-def check_log_continues(path, hp, total_steps):
+def shard_difference(loader_state, files, fingerprints):
+    """One line naming the first of `files` whose size or sampled checksum (shard_fingerprint) differs from those a
+    checkpoint's loader state recorded for the shard of its name; None if none does (or none is recorded)."""
+    recorded = dict(zip((Path(f).name for f in loader_state.get("files") or []), loader_state.get("fingerprints") or []))
+    for path, (size, digest) in zip(files, fingerprints):
+        theirs = recorded.get(Path(path).name)
+        if theirs is None or tuple(theirs) == (size, digest):
+            continue
+        why = (f"{size:,} bytes where that run read {theirs[0]:,}" if size != theirs[0] else
+               f"the same {size:,} bytes, other contents: sampled sha256 {digest[:12]}, that run's {theirs[1][:12]}")
+        return f"{path} is not the training shard the checkpoint's run read under that name ({why})"
+    return None
+
+
+def check_same_shards(path, loader_state, loader, force, log):
+    """Refuse, unless --force, to resume on a training shard that is not the one of its name the checkpoint's run
+    read (the next batches, and the --bigram_prior counted from the shards, would not be that run's)."""
+    difference = shard_difference(loader_state, loader.files, loader.fingerprints)
+    if difference and not force:
+        raise DataError(f"{difference}; {path} continues only on the shards it was trained on: put that shard back, "
+                        f"or pass --force to continue on this one")
+    if difference:
+        log(f"warning: {difference}; --force continues on it")
+
+
+def check_log_continues(path, hp, total_steps, checkpoint_folder):
     """For --resume auto with an existing log: continue it only if it is this run's own, i.e. written by
-    this very script with the same trajectory settings and seed, and the run has not finished; otherwise
-    the run id belongs to another run and is refused as taken."""
+    this very script with the same trajectory settings and seed, and the run has not finished (or finished
+    without the final.pt that --save_checkpoint asks for: a stop during its write; the run then continues from
+    its last checkpoint and writes it); otherwise the run id belongs to another run and is refused as taken."""
     text = path.read_text(encoding="utf-8", errors="replace")
     head = script_source() + SEPARATOR + "\n"
     if not text.startswith(head):
@@ -3548,7 +3643,8 @@ def check_log_continues(path, hp, total_steps):
         theirs = {name: theirs.get(name, "(not recorded)") for name in changed}
         raise ConfigError(f"{path} was written with {_flags(theirs, changed)} but this run has {_flags(ours, changed)}: "
                           f"the run id {path.stem!r} is taken by another run; pass another --run_id")
-    if re.search(rf"^step:{total_steps}/{total_steps} val_loss:", output, re.M):
+    finished = re.search(rf"^step:{total_steps}/{total_steps} val_loss:", output, re.M)
+    if finished and not (hp.save_checkpoint and not (Path(checkpoint_folder) / "final.pt").exists()):
         raise ConfigError(f"{path}: the run {path.stem!r} has finished (its log holds the final validation); pass "
                           f"another --run_id to train again")
 
@@ -3565,7 +3661,7 @@ def check_outputs(hp, log_path, checkpoint_folder, total_steps):
         return False
     if hp.resume != "auto":
         raise ConfigError(run_id_taken(log_path))
-    check_log_continues(log_path, hp, total_steps)
+    check_log_continues(log_path, hp, total_steps, checkpoint_folder)
     return True
 
 
@@ -3740,9 +3836,10 @@ def setup_distributed(hp):
 
 def resolve_data(hp, rank):
     """(train glob, val glob, description), prefixed by $DATA_PATH. The synthetic corpus replaces the
-    data only with --synthetic_fallback, when both globs are left at their defaults and match nothing;
-    it lives in the working folder's data/synthetic/ (never written under a DATA_PATH); a glob the user
-    gave that matches nothing is an error."""
+    data only with --synthetic_fallback, when both globs are left at their defaults and neither matches
+    (one that matches while the other does not is an error: half of the real data, never silently
+    swapped); it lives in the working folder's data/synthetic/ (never written under a DATA_PATH); a glob
+    the user gave that matches nothing is an error."""
     data_path = os.environ.get("DATA_PATH")
     if data_path and not Path(data_path).is_dir():
         raise DataError(f"DATA_PATH {data_path} is not a folder; set it to the folder that holds data/ (or unset it)")
@@ -3750,7 +3847,7 @@ def resolve_data(hp, rank):
     train, val = str(root / hp.train_files), str(root / hp.val_files)
     defaults = Hyperparameters()
     untouched = (hp.train_files, hp.val_files) == (defaults.train_files, defaults.val_files)
-    if hp.synthetic_fallback and untouched and not (glob.glob(train) and glob.glob(val)):
+    if hp.synthetic_fallback and untouched and not (glob.glob(train) or glob.glob(val)):
         folder = Path("data") / "synthetic"
         train, val = str(folder / "synthetic_train_*.bin"), str(folder / "synthetic_val_*.bin")
         if rank == 0 and not (glob.glob(train) and glob.glob(val)):
@@ -3760,8 +3857,10 @@ def resolve_data(hp, rank):
         return train, val, f"the synthetic corpus in {folder} (no shards match the default --train_files/--val_files)"
     for flag, pattern in (("--train_files", train), ("--val_files", val)):
         if not glob.glob(pattern):
-            raise DataError(f"{flag} {pattern!r} matches no file; download shards with `python data/cached_fineweb10B.py` "
-                            f"or pass a glob that matches")
+            fallback = (" (--synthetic_fallback replaces the data only when neither glob matches)"
+                        if hp.synthetic_fallback and untouched else "")
+            raise DataError(f"{flag} {pattern!r} matches no file{fallback}; download shards with `python "
+                            f"data/cached_fineweb10B.py` or pass a glob that matches")
     return train, val, f"train {train}, val {val}"
 
 
@@ -3909,19 +4008,20 @@ class LateLossCheck:
             done.synchronize()  # waits for that step only, not for the work queued since
         value, stop_votes = totals.tolist()
         if not math.isfinite(value):
-            raise FloatingPointError(f"training loss is {value} at step {step}; lower the learning rates "
-                                     f"(--muon_lr/--adam_lr) or check the data, then rerun")
+            hint = ("before any update, so not from the learning rates: check the data and the model's flags" if step == 0
+                    else "lower the learning rates (--muon_lr/--adam_lr) or check the data")
+            raise FloatingPointError(f"training loss is {value} at step {step}; {hint}, then rerun")
         return stop_votes > 0
 
 
 class StopSignals:
-    """SIGTERM and SIGUSR1 (what schedulers send before they kill: SLURM, Kubernetes, spot instances) ask
-    the run to stop. Before the first training step there is nothing to save, so a signal stops the
-    process at once (Preempted). From note_from_now_on() (the training loop) the handler only notes the
+    """SIGTERM and SIGUSR1 (what schedulers send before they kill: SLURM, Kubernetes, spot instances) and SIGHUP
+    (the terminal or ssh session of the run closed) ask the run to stop. Before the first training step there is
+    nothing to save, so a signal stops the process at once (Preempted). From note_from_now_on() (the training loop) the handler only notes the
     first signal; the loop carries the request to every rank and stops them all at the same step, after
     a checkpoint. Further signals change nothing, so one during the checkpoint's write cannot cut it short."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
     def __init__(self):
         self.received, self.noting, self._previous = None, False, {}
@@ -4055,7 +4155,56 @@ def open_data(hp, rank, world_size, device, accum, log):
         raise DataError(f"--batch_sizes {max(hp.batch_sizes)} takes {per_micro_step} tokens per micro-step from one "
                         f"shard, but the largest training shard holds {max(loader.shard_tokens)}; use smaller batches "
                         f"or larger shards")
+    if not hp.cycle_data:
+        check_shards_last(hp, loader.files, loader.shard_tokens, world_size, accum)
     return loader, val_tokens, sorted(glob.glob(val_pattern))
+
+
+DATA_WALK_MAX_TOKENS = 1 << 26  # shards walked through before the first step when they hold no more (~0.2 s of reading)
+
+
+def check_shards_last(hp, files, shard_tokens, world_size, accum):
+    """Refuse, before the first step, training shards that run out before the last one: shards that hold fewer
+    tokens than the run takes (each micro-step its tokens and one more target per rank), or, where they are few
+    enough to read at once, the loader's own walk over their documents (step_shards_run_out)."""
+    total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
+    fix = "add training shards, shorten the run (--num_scheduled_iterations) or pass --cycle_data true"
+    needed = sum((stage.end_step - stage.first_step) * (stage.batch_tokens + world_size * accum)
+                 for stage in Schedule(hp).stages)
+    if sum(shard_tokens) < needed:
+        raise DataError(f"the {len(files)} training shard(s) hold {sum(shard_tokens):,} tokens, but the run's "
+                        f"{total_steps} steps take at least {needed:,}; {fix}")
+    step = step_shards_run_out(hp, files, world_size, accum) if sum(shard_tokens) <= DATA_WALK_MAX_TOKENS else None
+    if step is not None:
+        raise DataError(f"the {len(files)} training shard(s) ({sum(shard_tokens):,} tokens) run out at step {step} of "
+                        f"{total_steps}: a micro-step takes whole documents of at most --max_seq_len tokens from one "
+                        f"shard and skips the rest of each; {fix}")
+
+
+def step_shards_run_out(hp, files, world_size, accum):
+    """The first step whose micro-steps the shards cannot fill, walking their documents as TrainLoader.next_pieces
+    does (plan_pieces, from one shard to the next; nothing gathered), or None if they last the run."""
+    shard, cursor, bos, size = -1, 0, np.zeros(0, dtype=np.int64), 0
+    for stage in Schedule(hp).stages:
+        rank_tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
+        # the documents a micro-step can need (each gives a token at least): plan_pieces sees only those, so that a
+        # call costs the micro-step's documents, not the rest of the shard's
+        window = world_size * (rank_tokens + 1) + 1
+        for step in range(stage.first_step, stage.end_step):
+            for _ in range(accum):
+                while True:
+                    end = int(bos[cursor + window]) if cursor + window < bos.size else size
+                    plan = plan_pieces(bos[: cursor + window], end, cursor, world_size, rank_tokens + 1,
+                                       stage.max_seq_len) if bos.size else None
+                    if plan is not None:
+                        break
+                    shard, cursor = shard + 1, 0
+                    if shard == len(files):
+                        return step
+                    tokens = read_shard(files[shard])
+                    bos, size = np.flatnonzero(tokens == BOS_ID), tokens.size
+                cursor = plan[1]
+    return None
 
 
 def start_model(hp, backend, device, world_size):
@@ -4128,6 +4277,7 @@ class Trainer:
             self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder, self.log, continuing)
             if self.resume_from is not None:
                 check_resumable(self.resume_path, self.resume_from, hp, self.total_steps)
+                check_same_shards(self.resume_path, self.resume_from["loader"], self.loader, hp.force, self.log)
         check_ranks_agree(rank_settings(hp, self.device, self.loader.files, val_files,
                                         self.resume_from["step"] if self.resume_from else 0))
         for warning in restart_warnings(hp):
@@ -4333,7 +4483,7 @@ def main(argv=None):
             return trainer.run()
         except Preempted as e:
             if os.environ.get("RANK", "0").strip() in ("", "0"):  # (also when RANK is not a number)
-                print(f"train_gpt.py: {e}", file=sys.stderr)
+                to_console(f"train_gpt.py: {e}", sys.stderr)
             if trainer is not None:
                 trainer.log.record_ending(str(e))
             sys.exit(PREEMPTED_EXIT_CODE)
@@ -4351,11 +4501,12 @@ def main(argv=None):
 def fail(trainer, message, code=2):
     """End the run with one error line on stderr, also in the run's log once that is open."""
     line = f"train_gpt.py: error: {message}"
-    print(line, file=sys.stderr)
+    to_console(line, sys.stderr)
     if trainer is not None:
         trainer.log.record_ending(line)
     sys.exit(code)
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt again (main reports it)
     main()

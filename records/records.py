@@ -604,16 +604,22 @@ def replay_command(log, extra_args=(), nproc: int | None = None, use_recorded_ar
 
 
 def replay(log, extra_args=(), nproc: int | None = None, workdir=None,
-           use_recorded_args: bool = True, gpus=count_gpus) -> int:
+           use_recorded_args: bool = True, gpus=count_gpus, force: bool = False) -> int:
     """Verify the log's script, write it to `<workdir>/.replay_<stem>.py`, run it, remove it.
 
-    workdir defaults to the repository root (so relative paths like data/fineweb10B
-    resolve). The command is replay_command's; it is printed to stderr first. Returns
-    the run's exit code.
+    A log without a script_sha256 line is refused unless force (its script cannot be told
+    from an edited one). workdir defaults to the repository root (so relative paths like
+    data/fineweb10B resolve). The command is replay_command's; it is printed to stderr
+    first. Returns the run's exit code.
     """
     log = first_log(log)
     parts = read_log(log)
-    verify_script(log, parts)
+    if not verify_script(log, parts, quiet=True):
+        if not force:
+            raise RecordError(f"{log} has no script_sha256 line, so its script cannot be checked against the one "
+                              f"its run used (a log from before that line, or an edited one); pass --force to run "
+                              f"it anyway")
+        warn(f"{log} has no script_sha256 line; --force runs its script unverified")
     workdir = Path(workdir) if workdir is not None else REPO_ROOT
     if not workdir.is_dir():
         raise RecordError(f"{workdir}: working folder does not exist")
@@ -674,8 +680,9 @@ def _parser() -> argparse.ArgumentParser:
                     "flag wins, so these override). Processes: --nproc, else the log's "
                     "world_size, else the number of GPUs torch sees; more than one, or one "
                     "with a GPU, runs `torchrun --standalone --nproc_per_node=K`, otherwise "
-                    "plain python. The command is printed to stderr before it runs.",
-        usage="records.py replay [-h] [--nproc K] [--dir DIR] [--no-args] LOG [-- ARGS...]",
+                    "plain python. The command is printed to stderr before it runs. A log without "
+                    "a script_sha256 line is refused unless --force.",
+        usage="records.py replay [-h] [--nproc K] [--dir DIR] [--no-args] [--force] LOG [-- ARGS...]",
     )
     q.add_argument("log", metavar="LOG", help="log file or record folder (its first log)")
     q.add_argument("--nproc", type=int, default=None, metavar="K",
@@ -685,6 +692,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="folder to write the script to and run it in (default: repo root)")
     q.add_argument("--no-args", dest="no_args", action="store_true",
                    help="ignore the log's recorded arguments; pass only those after --")
+    q.add_argument("--force", action="store_true",
+                   help="run the script of a log that has no script_sha256 line (unverified)")
 
     q = sub.add_parser("diff", help="unified diff of two scripts",
                        description="Unified diff of the scripts of A and B. Each is a log, a "
@@ -764,7 +773,7 @@ def _run(args, extra) -> int:
         return 0
     if args.cmd == "replay":
         return replay(args.log, extra, nproc=args.nproc, workdir=args.dir,
-                      use_recorded_args=not args.no_args)
+                      use_recorded_args=not args.no_args, force=args.force)
     if args.cmd == "diff":
         if args.context < 0:
             raise UsageError(f"-U/--context must be >= 0, got {args.context}")
@@ -773,6 +782,10 @@ def _run(args, extra) -> int:
         if not out:
             print("scripts are identical", file=sys.stderr)
         return 0
+    if args.cmd in ("stats", "plot") and not math.isfinite(args.target):
+        raise UsageError(f"--target must be a finite val loss, got {args.target:g}")
+    if args.cmd == "stats" and not 0 < args.alpha < 1:
+        raise UsageError(f"--alpha must be a significance level in (0, 1), got {args.alpha:g}")
     if args.cmd == "stats":
         write_stdout(stats_report(args.paths, target=args.target, alpha=args.alpha, against=args.against))
         return 0

@@ -3,8 +3,10 @@ logs. Each case runs train_gpt.main in this process with a tiny configuration an
 code, that stderr is exactly one line naming the flag or file, and (for data) that it happens before
 the first training step."""
 import os
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +110,12 @@ BAD_FLAGS = [
     (["--muon_momentum", "-1e-2", "0.9"], "--muon_momentum must be in [0, 1)"),
     (["--run_id=-rf"], "--run_id may hold"),
     (["--factor_dtype", "fp16"], "--factor_dtype must be one of fp32, bf16"),
+    # a cap of 1 ran thousands of forwards per step (no step in 12 minutes); 128 is one attention tile
+    (["--micro_batch_tokens", "1"], "--micro_batch_tokens 1 is below 128, the smallest cap"),
+    (["--micro_batch_tokens", "127"], "--micro_batch_tokens 127 is below 128"),
+    # the loss was -inf or nan at step 0, and the message blamed the learning rates
+    (["--bigram_prior", "1e30"], "--bigram_prior 1e+30 is above 8.037"),
+    (["--bigram_prior", "8.04"], "--bigram_prior 8.04 is above 8.037"),
 ]
 
 
@@ -170,16 +178,51 @@ def test_plan_memory_refuses_bad_flags_in_one_line(corpus, tmp_path, capsys, ext
     one_line_error(code, err, needle, prog="plan_memory.py")
 
 
+@pytest.mark.parametrize("flag", [["--world_size", "8"], ["--world_size=8"]])
+def test_plan_memory_points_a_world_size_flag_at_the_environment(corpus, tmp_path, capsys, flag):
+    code, err = run_plan([*tiny(corpus, tmp_path), *flag], capsys)
+    one_line_error(code, err, "--world_size is not a flag of this tool", "WORLD_SIZE=N python tools/plan_memory.py",
+                   prog="plan_memory.py")
+
+
+def test_plan_memory_prints_the_plan_outside_torchrun_whatever_rank_says(corpus, tmp_path, capsys, monkeypatch):
+    """RANK=1 WORLD_SIZE=2 outside torchrun printed nothing, with exit status 0: the plan is rank 0's of 2."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(pm, "plan_report", lambda hp, world_size, gb: [f"the plan of rank 0 of {world_size}"])
+    capsys.readouterr()
+    pm.main(tiny(corpus, tmp_path))
+    assert capsys.readouterr().out == "the plan of rank 0 of 2\n"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "under-torchrun")  # there only rank 0 prints
+    pm.main(tiny(corpus, tmp_path))
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("restarts", ["abc", "-1", "1.5", " "])
+@pytest.mark.parametrize("restarts", ["abc", "-1", "1.5", " ", "12345678901234567890"])
 def test_run_sh_refuses_a_restarts_that_is_not_a_count(tmp_path, restarts):
     """It used to print `integer expression expected` twice and train without restarts (or train silently
-    without them for -1). PYTHON names a program that fails if run: the refusal comes before any launch."""
+    without them for -1; a 20-digit count overflowed bash's integers the same way). PYTHON names a program that
+    fails if run: the refusal comes before any launch."""
     done = subprocess.run(["bash", str(REPO / "run.sh")], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "RESTARTS": restarts, "PYTHON": "false"})
     assert done.returncode == 2 and done.stdout == "", done
-    assert done.stderr == f"run.sh: error: RESTARTS={restarts} is not a number of restarts; set it to 0 or more " \
-                          f"(or unset it)\n", done.stderr
+    assert done.stderr == f"run.sh: error: RESTARTS={restarts} is not a number of restarts; set it to 0 to " \
+                          f"999999999 (or unset it)\n", done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of run.sh")
+def test_run_sh_refuses_a_bad_flag_under_restarts_once_before_torchrun(tmp_path):
+    """torchrun started the worker with the bad flag, and restarted it: the error printed once per attempt."""
+    done = subprocess.run(["bash", str(REPO / "run.sh"), "--adam_lr", "-1", "--run_id", "x", "--log_dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RESTARTS": "2", "PYTHON": sys.executable})
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr == ("run.sh: no GPU found; running the cpu preset on one process\n"
+                           "train_gpt.py: error: --adam_lr must be positive, got -1.0\n"), done.stderr
+    assert not list(tmp_path.iterdir())
 
 
 def test_cpu_preset_stays_on_the_cpu_where_cuda_exists(monkeypatch):
@@ -248,12 +291,17 @@ def no_bos(tokens):
     return tokens
 
 
+def only_bos(tokens):
+    return np.full_like(tokens, BOS)
+
+
 @pytest.mark.parametrize("which,change,needle", [
     ("train", with_big_id, "token id 60000 at position 500 is not below the vocabulary size 50257"),
     ("val", with_big_id, "token id 60000 at position 500 is not below the vocabulary size 50257"),
     ("train", header_only, "holds no tokens"),
     ("val", header_only, "hold 0 tokens, but --val_tokens 1024 needs 1025"),
     ("train", no_bos, "no document start (token 50256)"),
+    ("train", only_bos, "its 60,000 tokens are all the document token 50256, documents with no text"),
 ])
 def test_bad_shard_is_named_before_training(corpus, tmp_path, capsys, which, change, needle):
     pattern, path = corrupt_copy(corpus, tmp_path, which, change)
@@ -263,6 +311,76 @@ def test_bad_shard_is_named_before_training(corpus, tmp_path, capsys, which, cha
     line = one_line_error(code, err, needle)
     assert str(path) in line or str(pattern) in line
     no_training_happened(log_dir)
+
+
+def test_the_smallest_micro_batch_cap_is_accepted():
+    assert tg.parse_args(["--micro_batch_tokens", "128"]).micro_batch_tokens == 128
+    assert tg.parse_args(["--micro_batch_tokens", "0"]).micro_batch_tokens == 0  # (no cap)
+
+
+@pytest.mark.parametrize("tokens,needle", [
+    (1_500, "the 1 training shard(s) hold 1,500 tokens, but the run's 4 steps take at least 2,052"),
+    (5_000, "the 1 training shard(s) (5,000 tokens) run out at step "),
+])
+def test_training_shards_that_run_out_are_refused_before_the_first_step(corpus, tmp_path, capsys, tokens, needle):
+    """A 5,000-token shard was reported used up only once step 1 asked for more. The run's 4 steps of 512 tokens
+    take at least 4 x 513 (each micro-step one more target); the walk over the documents (up to 448 or 256 tokens
+    of each, by stage; the rest is skipped) finds the step the shard runs out at, and the loader itself runs out
+    there."""
+    pattern, _ = corrupt_copy(corpus, tmp_path, "train", lambda t: t[:tokens])
+    log_dir = tmp_path / "logs"
+    argv = tiny(corpus, log_dir, train=pattern)
+    result, code, err = run_main(argv, capsys)
+    line = one_line_error(code, err, needle, "--cycle_data true")
+    no_training_happened(log_dir)
+    if "run out at step" in line:
+        step, schedule = int(re.search(r"run out at step (\d+) of 4", line)[1]), tg.Schedule(tg.parse_args(argv))
+        loader = tg.TrainLoader(str(pattern), 0, 1, torch.device("cpu"))
+        for s in range(step):
+            loader.next_pieces(512, schedule.at(s).max_seq_len, 512)
+        with pytest.raises(tg.DataError, match="used up"):
+            loader.next_pieces(512, schedule.at(step).max_seq_len, 512)
+        loader.close()
+
+
+def test_half_of_the_default_data_is_never_swapped_for_the_synthetic_corpus(tmp_path, capsys, monkeypatch):
+    """The cpu preset (--synthetic_fallback) with FineWeb training shards and no validation shard used the
+    synthetic corpus for both, saying only that no shards match."""
+    monkeypatch.setattr(tg, "synthetic_corpus", lambda folder: pytest.fail(f"would write a corpus into {folder}"))
+    monkeypatch.setenv("DATA_PATH", str(tmp_path))
+    write(tmp_path / "data" / "fineweb10B" / "fineweb_train_000001.bin", [BOS, 1, 2, 3])
+    with pytest.raises(tg.DataError, match=re.escape(f"--val_files '{tmp_path}/data/fineweb10B/fineweb_val_*.bin' "
+                                                     f"matches no file (--synthetic_fallback replaces the data only "
+                                                     f"when neither glob matches)")):
+        tg.resolve_data(tg.parse_args(["--preset", "cpu"]), 0)
+
+
+def test_a_shard_fingerprint_tells_another_shard_under_the_same_name(tmp_path):
+    """What a checkpoint records of each training shard: its size and a sha256 of its header and 64 blocks of
+    4 KiB spread over it. A shard up to 257 KiB is hashed whole, so one changed token shows."""
+    path = write(tmp_path / "a.bin", np.arange(100_000) % 50_000)
+    other = write(tmp_path / "b" / "a.bin", np.arange(100_000) % 50_000)
+    state = dict(files=[str(path)], fingerprints=[tg.shard_fingerprint(path)])
+    assert tg.shard_difference(state, [other], [tg.shard_fingerprint(other)]) is None  # the same shard, moved
+    changed = np.arange(100_000) % 50_000
+    changed[77_777] += 1
+    write(other, changed)
+    assert "the same 201,024 bytes, other contents" in tg.shard_difference(state, [other], [tg.shard_fingerprint(other)])
+    write(other, changed[:-1])
+    assert "201,022 bytes where that run read 201,024" in tg.shard_difference(state, [other], [tg.shard_fingerprint(other)])
+    unrecorded = write(tmp_path / "c.bin", changed)
+    assert tg.shard_difference(state, [unrecorded], [tg.shard_fingerprint(unrecorded)]) is None  # (names are matched
+    assert tg.shard_difference({"files": [str(path)]}, [other], [tg.shard_fingerprint(other)]) is None  # elsewhere)
+    big = np.arange(2_000_000) % 50_000  # 4 MB: a block every 62 KiB
+    path = write(tmp_path / "big.bin", big)
+    before = tg.shard_fingerprint(path)
+    span = 2 * big.size - tg.SHARD_SAMPLE_BYTES
+    inside = span * 32 // (tg.SHARD_SAMPLES - 1) // 2 + 1  # a token inside the 33rd block
+    between = inside + tg.SHARD_SAMPLE_BYTES // 2  # 2 bytes past that block's end
+    for token, seen in ((inside, True), (between, False)):  # (an edit between the blocks is the cheap check's blind spot)
+        edited = big.copy()
+        edited[token] += 1
+        assert (tg.shard_fingerprint(write(path, edited)) != before) == seen, token
 
 
 def test_glob_matching_a_directory(corpus, tmp_path, capsys):
@@ -341,6 +459,18 @@ def test_read_only_log_dir(corpus, tmp_path, capsys, monkeypatch):
     result, code, err = run_main(tiny(corpus, folder), capsys)
     one_line_error(code, err, str(folder), "Permission denied")
     assert not list(folder.iterdir())
+
+
+def test_a_non_finite_loss_at_step_0_does_not_blame_the_learning_rates():
+    """Step 0's loss comes before any update: the learning rates cannot have made it."""
+    check = tg.LateLossCheck(torch.device("cpu"))
+    check.push(0, torch.tensor([float("nan"), 0.0]))
+    with pytest.raises(FloatingPointError, match=r"^training loss is nan at step 0; before any update, so not from the "
+                                                 r"learning rates: check the data and the model's flags, then rerun$"):
+        check.finish()
+    check.push(3, torch.tensor([float("inf"), 0.0]))
+    with pytest.raises(FloatingPointError, match=r"at step 3; lower the learning rates \(--muon_lr/--adam_lr\)"):
+        check.finish()
 
 
 @pytest.mark.slow

@@ -198,6 +198,20 @@ def test_old_log_without_sha_warns_and_extracts(tmp_path, capsys):
     assert cap.err == f"records.py: warning: {log} has no script_sha256 line; cannot verify the script\n"
 
 
+def test_old_log_without_sha_replays_only_with_force(tmp_path, capsys):
+    """A log without a script_sha256 line (from before that line, or edited to lose it) ran its script after a
+    warning: now replay refuses it in one line unless --force."""
+    marker = tmp_path / "ran.txt"
+    log = old_log(tmp_path / "old.txt", script=f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    argv = ["replay", "--no-args", "--nproc", "0", "--dir", str(tmp_path), str(log)]
+    assert rec.main(argv) == 2
+    one_error_line(capsys.readouterr().err, f"{log} has no script_sha256 line", "pass --force to run it anyway")
+    assert not marker.exists() and not list(tmp_path.glob(".replay_*"))
+    assert rec.main(["replay", "--force", *argv[1:]]) == 0 and marker.read_text() == "ran"
+    assert capsys.readouterr().err.startswith(f"records.py: warning: {log} has no script_sha256 line; --force runs "
+                                              f"its script unverified\n")
+
+
 def test_malformed_sha_line_is_an_error(tmp_path, capsys):
     log = make_log(tmp_path / "bad.txt", sha="12345")
     assert rec.main(["extract", str(log)]) == 2
@@ -637,7 +651,11 @@ def test_usage_errors_are_one_line_exit_2(tmp_path, capsys):
                            (["replay", "--nproc", "x", str(log)], "--nproc"),
                            (["replay", "--nproc", "-1", str(log)], "--nproc"),
                            (["replay", "--dir", str(tmp_path / "nope"), "--nproc", "0", str(log)], "nope"),
-                           (["diff", str(log)], "B")]:
+                           (["diff", str(log)], "B"),
+                           (["stats", str(log), "--alpha", "2"], "--alpha must be a significance level in (0, 1), got 2"),
+                           (["stats", str(log), "--alpha", "0"], "--alpha must be"),
+                           (["stats", str(log), "--target", "nan"], "--target must be a finite val loss, got nan"),
+                           (["plot", str(log), "-o", str(tmp_path / "p.png"), "--target", "inf"], "--target must be")]:
         assert rec.main(argv) == 2, argv
         cap = capsys.readouterr()
         one_error_line(cap.err, fragment)

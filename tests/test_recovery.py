@@ -23,7 +23,7 @@ import torch
 import train_gpt as tg
 from test_bad_input import one_line_error
 from test_multinode import free_port, single_log, torchrun
-from test_training import corpus, env, restore_threads, run_main, short, val_losses  # noqa: F401 (fixtures)
+from test_training import corpus, env, restore_threads, run_main, short, tiny, val_losses  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("restore_threads")  # in-process runs set torch's thread count
 
@@ -111,6 +111,56 @@ def test_sigterm_stops_every_rank_at_one_checkpoint_and_resume_auto_ends_the_sam
     log = single_log(tmp_path)
     assert f"resumed from {checkpoint.relative_to(tmp_path)} at step {STOPS_AT}" in log
     assert val_losses(log) == uninterrupted(world_size)  # (the resumed run's lines come last for each step)
+
+
+@pytest.mark.slow
+def test_sighup_with_the_terminal_gone_checkpoints_and_resume_auto_ends_the_same(corpus, tmp_path, uninterrupted):
+    """A closed terminal or ssh session: SIGHUP, and every write to the terminal fails (here pipes whose reader is
+    gone). It used to end the run with no checkpoint and no log line; now it stops as at SIGTERM."""
+    args = short(corpus, "--run_id", "hup", "--save_every", 2, "--resume", "auto")
+    proc = subprocess.Popen([sys.executable, str(RUNNER), *map(str, args)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**env(), "FAULT_AFTER_STEP": f"0:{SIGNALLED_AFTER}:HUP"})
+    proc.stdout.close()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == tg.PREEMPTED_EXIT_CODE
+    log = single_log(tmp_path)
+    checkpoint = sound_checkpoint_at(tmp_path / "logs" / "checkpoints" / "hup", STOPS_AT)
+    assert f"preempted at step {STOPS_AT} by SIGHUP, checkpoint {checkpoint.relative_to(tmp_path)}" in log
+    [(code, _, err)] = run_ranks(args, tmp_path)
+    assert code == 0, err[-3000:]
+    assert val_losses(single_log(tmp_path)) == uninterrupted(1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of run.sh")
+def test_sigterm_to_run_sh_under_restarts_checkpoints_and_ends_in_one_line(corpus, tmp_path):
+    """run.sh with RESTARTS on a CPU runs torchrun; SIGTERM to it reaches the worker, which checkpoints and stops.
+    torchrun then ended with its 30-line traceback and exit status 1 (and, after its default 30 s, killed a CPU
+    worker still on its way to the checkpoint: run.sh gives it TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300); now it ends
+    with one line and 128 + 15. The signal is sent once the log shows step 3 (the run has 300 steps)."""
+    logs = tmp_path / "logs"
+    args = [*tiny(corpus, "--num_scheduled_iterations", 300, "--num_extension_iterations", 0, "--val_loss_every", 0),
+            "--save_every", "2", "--cycle_data", "true", "--log_dir", str(logs), "--run_id", "sh"]
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        proc = subprocess.Popen(["bash", str(Path(tg.__file__).with_name("run.sh")), *args], stdout=out, stderr=err,
+                                env={**env(), "RESTARTS": "1", "PYTHON": sys.executable})
+        try:
+            deadline = time.monotonic() + 240
+            while not re.search(r"^step:3/300 ", (logs / "sh.txt").read_text() if (logs / "sh.txt").exists() else "",
+                                re.M):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()[-3000:]
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        err.seek(0)
+        stderr = err.read()
+    assert code == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.endswith("run.sh: torchrun stopped by SIGTERM and passed it on to its workers\n"), stderr[-3000:]
+    stopped = re.search(r"^preempted at step (\d+) by SIGTERM, checkpoint (\S+);", (logs / "sh.txt").read_text(), re.M)
+    assert stopped and tg.load_checkpoint(stopped[2])["step"] == int(stopped[1]), stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -221,6 +271,7 @@ def logged_run(corpus, tmp_path):
     (["--seed", "1"], "", ["--seed 0 but this run has --seed 1", "is taken"]),
     ([], "script", ["written by a different train_gpt.py", "is taken"]),
     ([], "finished", ["the run 'mine' has finished"]),
+    (["--save_checkpoint", "true"], "finished with final.pt", ["the run 'mine' has finished"]),
     (["--resume", ""], "", ["mine.txt exists: the run id 'mine' is taken", "--resume auto"]),
 ])
 def test_a_log_that_is_not_this_runs_is_not_continued(logged_run, capsys, extra, edit, needles):
@@ -229,12 +280,79 @@ def test_a_log_that_is_not_this_runs_is_not_continued(logged_run, capsys, extra,
     log, argv = logged_run
     if edit == "script":
         log.write_text("# edited\n" + log.read_text())
-    elif edit == "finished":
+    elif edit.startswith("finished"):
         log.write_text(log.read_text() + "step:8/8 val_loss:9.2518 train_time:1ms step_avg:0.12ms\n")
+    if edit == "finished with final.pt":
+        (log.parent / "checkpoints" / "mine").mkdir(parents=True)
+        tg.save_checkpoint(log.parent / "checkpoints" / "mine" / "final.pt", {"step": 8})
     before = log.read_text()
     _, code, err = run_main([*argv, *extra], capsys)
     one_line_error(code, err, *needles)
     assert log.read_text() == before
+
+
+def test_a_finished_run_without_the_final_checkpoint_it_asked_for_is_continued(logged_run, capsys):
+    """Ctrl-C during the write of final.pt left a finished log and no final.pt, and --resume auto refused the
+    run as finished: final.pt could never be made under its id. With --save_checkpoint true the run continues
+    (from its last checkpoint; here none: from step 0) and writes it; without, it stays finished."""
+    log, argv = logged_run
+    log.write_text(log.read_text() + "step:8/8 val_loss:9.2518 train_time:1ms step_avg:0.12ms\n")
+    _, code, err = run_main(argv, capsys)
+    one_line_error(code, err, "the run 'mine' has finished")
+    with pytest.MonkeyPatch.context() as patch:  # only the start: no need to train
+        patch.setattr(tg.Trainer, "run", lambda self: self.loader.close())
+        _, code, err = run_main([*argv, "--save_checkpoint", "true"], capsys)
+    assert code == 0, err
+    assert "continued by --resume auto with args:" in log.read_text() and "starting at step 0" in log.read_text()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_final_checkpoint_write_is_made_good_by_resume_auto(corpus, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while final.pt is written (exit 130, as its message says: continue with --resume auto): the resumed
+    run continues from the last periodic checkpoint (step 4), ends with the same val losses and writes final.pt;
+    a further --resume auto is refused as finished."""
+    argv = short(corpus, "--log_dir", tmp_path, "--run_id", "fin", "--save_every", 4, "--save_checkpoint", "true",
+                 "--resume", "auto")
+    real = tg.save_checkpoint
+
+    def interrupted_final(path, payload):
+        if Path(path).name == "final.pt":
+            raise KeyboardInterrupt
+        real(path, payload)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tg, "save_checkpoint", interrupted_final)
+        _, code, err = run_main(argv, capsys)
+    final = tmp_path / "checkpoints" / "fin" / "final.pt"
+    assert code == 130 and "--resume auto" in err and not final.exists(), err
+    first = val_losses((tmp_path / "fin.txt").read_text())
+    resumed, code, err = run_main(argv, capsys)
+    assert code == 0, err
+    assert f"resumed from {final.with_name('step_000004.pt')} at step 4" in (tmp_path / "fin.txt").read_text()
+    assert tg.load_checkpoint(final)["step"] == 8
+    assert {s: f"{v:.4f}" for s, v in resumed} == {s: v for s, v in first.items() if s >= 4}, (resumed, first)
+    _, code, err = run_main(argv, capsys)
+    one_line_error(code, err, "the run 'fin' has finished")
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_replaced_training_shard_unless_forced(corpus, tmp_path, capsys, monkeypatch):
+    """Resume matched the shards by name only: a shard replaced under the same name trained on, silently."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shard = data / "synthetic_train_000001.bin"
+    tokens = tg.read_shard(next(corpus.glob("synthetic_train_*.bin")))
+    tg.write_shard(shard, tokens)
+    argv = [*short(corpus, "--log_dir", tmp_path, "--run_id", "swap", "--save_every", 2, "--resume", "auto"),
+            "--train_files", str(data / "synthetic_train_*.bin")]
+    interrupted_run(argv, capsys, monkeypatch, 3)
+    tg.write_shard(shard, tokens[::-1])  # the same size, other contents
+    _, code, err = run_main(argv, capsys)
+    one_line_error(code, err, f"{shard} is not the training shard the checkpoint's run read under that name",
+                   "other contents", "put that shard back, or pass --force")
+    result, code, err = run_main([*argv, "--force"], capsys)
+    assert code == 0 and result[-1][0] == 8, err
+    assert f"warning: {shard} is not the training shard" in (tmp_path / "swap.txt").read_text()
 
 
 def test_restarts_without_their_settings_are_warned_on_the_terminal_and_in_the_log(corpus, tmp_path, capsys,
@@ -301,18 +419,40 @@ def test_a_stop_signal_before_training_stops_at_once_and_one_during_training_is_
         with pytest.raises(tg.Preempted, match="stopped by SIGTERM before the first training step"):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # (the handler runs at once; sleep only if it had not)
+        with pytest.raises(tg.Preempted, match="stopped by SIGHUP before the first training step"):
+            os.kill(os.getpid(), signal.SIGHUP)  # (a closed terminal or ssh session: treated as SIGTERM)
+            time.sleep(5)
         stop.note_from_now_on()
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGHUP)
         assert stop.received == "SIGUSR1"
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_console_that_is_gone_loses_only_its_copy_of_the_log(tmp_path, monkeypatch):
+    """A closed terminal (SIGHUP) or pipe: the first failed write points the stream's descriptor at the null
+    device; the log file gets every line and nothing raises (a print to it used to end the run)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # writes to the pipe now fail (EPIPE)
+    gone = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", gone)
+    log = tg.RunLog(tmp_path / "run.txt", True)
+    log.open()
+    log("step:1/2 train_time:1ms step_avg:1.00ms")
+    log("step:2/2 train_time:2ms step_avg:1.00ms")
+    assert (tmp_path / "run.txt").read_text().endswith("step:1/2 train_time:1ms step_avg:1.00ms\n"
+                                                         "step:2/2 train_time:2ms step_avg:1.00ms\n")
+    assert os.path.samestat(os.fstat(gone.fileno()), os.stat(os.devnull))
+    gone.close()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["TERM", "USR1"])
+@pytest.mark.parametrize("name", ["TERM", "USR1", "HUP", "INT"])
 def test_a_stop_signal_during_the_imports_exits_75_with_one_line(tmp_path, name):
     """The signal arrives exactly when the script imports numpy, its first import after the standard
-    library (torch's import takes seconds more): it used to end the process with 143 and no word."""
+    library (torch's import takes seconds more): it used to end the process with 143 and no word (SIGHUP: 129;
+    Ctrl-C: a KeyboardInterrupt traceback). Ctrl-C exits 130, as it does later in the run."""
     starter = (f"import builtins, os, runpy, signal, sys\n"
                f"real = builtins.__import__\n"
                f"def once(name, *args, **kwargs):\n"
@@ -325,7 +465,7 @@ def test_a_stop_signal_during_the_imports_exits_75_with_one_line(tmp_path, name)
                f"runpy.run_path({str(Path(tg.__file__))!r}, run_name='__main__')\n")
     done = subprocess.run([sys.executable, "-c", starter], cwd=tmp_path, env=env(), capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode == tg.PREEMPTED_EXIT_CODE, (done.returncode, done.stderr[-2000:])
+    assert done.returncode == (130 if name == "INT" else tg.PREEMPTED_EXIT_CODE), (done.returncode, done.stderr[-2000:])
     assert done.stderr == f"train_gpt.py: stopped by SIG{name} before the first training step; nothing new to save\n"
     assert not (tmp_path / "logs").exists()
 

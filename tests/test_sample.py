@@ -41,13 +41,17 @@ def pattern_corpus(folder, tokens, seed):
     return np.concatenate(docs)[:tokens]
 
 
-def tiny_checkpoint(path, **changes):
-    """A checkpoint of an untrained model of width 16 (small and fast), optionally with other recorded
-    hyperparameters."""
+def tiny_checkpoint(path, loader=None, edit=None, **changes):
+    """A checkpoint of an untrained model of width 16 (small and fast), optionally with a loader state, the model
+    changed by edit(model) and other recorded hyperparameters."""
     hp = tg.parse_args(list(map(str, tiny(path.parent, "--model_dim", 16, "--head_dim", 8, "--bigram_dim", 8))))
     model = tg.build_model(hp, torch.device("cpu"))
-    payload = dict(step=0, training_time_ms=0.0, tokens_seen=0, model=model.state_dict(), matrix={}, adam={}, loader={},
-                   rng={}, script_sha256="", world_size=1, hyperparameters=dataclasses.asdict(dataclasses.replace(hp, **changes)))
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
+    payload = dict(step=0, training_time_ms=0.0, tokens_seen=0, model=model.state_dict(), matrix={}, adam={},
+                   loader=loader or {}, rng={}, script_sha256="", world_size=1,
+                   hyperparameters=dataclasses.asdict(dataclasses.replace(hp, **changes)))
     tg.save_checkpoint(path, payload)
     return path
 
@@ -225,7 +229,14 @@ def test_missing_corrupt_and_foreign_checkpoints(tmp_path, capsys):
 
 def test_bad_prompts_and_flags(tmp_path, capsys):
     checkpoint = tiny_checkpoint(tmp_path / "tiny.pt")  # --max_seq_len 256
-    one_line_error(*run_sample([checkpoint, "--prompt", "   "], capsys)[::2], "--prompt is empty")
+    one_line_error(*run_sample([checkpoint, "--prompt", "   "], capsys)[::2], "--prompt is only spaces",
+                   "--prompt '' to start from the document token alone")
+    # an argument that is not UTF-8 reaches Python as lone surrogates (surrogateescape): 0xff is '\udcff'
+    one_line_error(*run_sample([checkpoint, "--prompt", "abc\udcff"], capsys)[::2],
+                   "--prompt is not valid UTF-8: byte 0xff at character 3")
+    for seed in ("99999999999999999999999", "-1", str(2 ** 63)):
+        one_line_error(*run_sample([checkpoint, "--prompt", "x", "--seed", seed], capsys)[::2],
+                       f"--seed must be in [0, 2^63), got {seed}")
     one_line_error(*run_sample([checkpoint], capsys)[::2], "--prompt", "--eval")
     one_line_error(*run_sample([checkpoint, "--prompt", "x" * 255], capsys)[::2], "256 tokens", "--max_seq_len")
     one_line_error(*run_sample([checkpoint, "--prompt", "x", "--top_k", -1], capsys)[::2], "--top_k must be >= 0")
@@ -262,3 +273,130 @@ def test_no_bpe_available(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     code, _, err = run_sample([checkpoint, "--prompt", "abc"], capsys, gpt2_bpe=True)
     one_line_error(code, err, "could not load tiktoken's gpt2 encoding", "--bpe")
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    """tiny_checkpoint's untrained model, written once for the tests that only read it."""
+    return tiny_checkpoint(tmp_path_factory.mktemp("untrained") / "tiny.pt")
+
+
+def test_an_empty_prompt_starts_from_the_document_token_alone(untrained, capsys, monkeypatch):
+    checkpoint = untrained
+    appended = []
+    append = sample.Decoder.append
+    monkeypatch.setattr(sample.Decoder, "append", lambda self, ids: appended.append(list(ids)) or append(self, ids))
+    code, out, err = run_sample([checkpoint, "--prompt", "", "--max_new_tokens", 3], capsys)  # (an untrained model
+    assert code == 0, err                                                                     # draws near-uniformly)
+    assert appended[0] == [tg.BOS_ID] and len(appended) == 3 and re.search(r"^3 tokens in ", err, re.M), (appended, err)
+
+
+def test_tiny_temperatures_draw_the_greedy_limit(untrained, capsys):
+    """softmax(logits / T) as T -> 0 puts all the mass on the largest logit: 1e-40 (below fp32's smallest normal)
+    and 1e-300 (0 in fp32) gave NaN probabilities, from logits / T overflowing. Now every positive T is its own
+    distribution, the tiniest the greedy draw."""
+    logits = torch.tensor([1.0, 3.0, -2.0, 2.5])
+    for temperature in (1e-40, 1e-300, 5e-324):
+        assert torch.equal(sample.probabilities(logits, temperature), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    # an ordinary temperature: softmax(logits / T) to fp32 rounding (formed in fp64 from the logits less their max)
+    assert torch.allclose(sample.probabilities(logits, 0.8), torch.softmax(logits / 0.8, dim=-1), rtol=1e-6, atol=0)
+    argv = [untrained, "--prompt", "abc", "--max_new_tokens", 8]
+    greedy = run_sample([*argv, "--temperature", 0], capsys)
+    assert greedy[0] == 0, greedy[2]
+    code, out, err = run_sample([*argv, "--temperature", "1e-40"], capsys)
+    assert code == 0 and out == greedy[1], (out, greedy[1], err)
+
+
+def head_favouring_padding(model):
+    """The head's rows of the GPT-2 ids at zero and its padding rows ±10 times each unit vector: any final hidden
+    state scores some padding id above every real one (whose logits are all softcap(0))."""
+    weight = model.lm_head.weight
+    weight.zero_()
+    dim = weight.size(1)
+    rows = torch.cat([torch.eye(dim), -torch.eye(dim)]) * 10
+    weight[tg.GPT2_VOCAB_SIZE: tg.GPT2_VOCAB_SIZE + 2 * dim] = rows
+
+
+def test_padding_ids_of_the_vocabulary_are_never_drawn(tmp_path, capsys):
+    """A model of --vocab_size 50304 (the GPT-2 vocabulary padded) whose likeliest token is a padding id: it is
+    never drawn (its KeyError in the decoding lost the generated text), and stderr says why."""
+    checkpoint = tiny_checkpoint(tmp_path / "padded.pt", edit=head_favouring_padding, vocab_size=50304)
+    snap, hp, model, prior = sample.open_checkpoint(checkpoint, "cpu")
+    logits = sample.Decoder(model, hp, tg.Schedule(hp).at(0).windows, prior).append([tg.BOS_ID, *b"abc"])
+    assert int(logits[: hp.vocab_size].argmax()) >= tg.GPT2_VOCAB_SIZE  # (without the mask: a padding id)
+    code, out, err = run_sample([checkpoint, "--prompt", "abc", "--max_new_tokens", 6, "--temperature", 0], capsys)
+    assert code == 0, err
+    assert out.startswith("abc") and len(out.rstrip("\n")) > 3, out
+    assert "note: the model's --vocab_size 50304 pads the encoding's 50,257 ids; only those are drawn" in err
+
+
+def test_eval_of_too_few_tokens_is_one_line_and_rounding_is_said(untrained, tmp_path, capsys):
+    checkpoint = untrained  # --val_batch_size 512
+    tg.write_shard(tmp_path / "one_000000.bin", [tg.BOS_ID])
+    one_line_error(*run_sample([checkpoint, "--eval", tmp_path / "one_*.bin"], capsys)[::2],
+                   "holds 1 token(s); scoring needs at least 2")
+    tg.write_shard(tmp_path / "val_000000.bin", pattern_corpus(tmp_path, 2_000, seed=0))
+    code, out, err = run_sample([checkpoint, "--eval", tmp_path / "val_*.bin", "--eval_tokens", 700], capsys)
+    assert code == 0 and out.startswith("val_loss:") and " over 512 tokens of " in out, (out, err)
+    assert err == ("sample.py: note: scoring 512 of the 700 tokens asked for (--eval_tokens): whole forwards of "
+                   "512 tokens\n"), err
+    code, out, err = run_sample([checkpoint, "--eval", tmp_path / "val_*.bin", "--eval_tokens", 512], capsys)
+    assert code == 0 and " over 512 tokens of " in out and err == "", (out, err)
+
+
+def prior_checkpoint(folder, train):
+    """A checkpoint of a --bigram_prior model whose loader state names the training shard `train` (with its
+    fingerprint, as the trainer records it)."""
+    return tiny_checkpoint(folder / "prior.pt", bigram_prior=1.0,
+                           loader=dict(shard=0, cursor=0, epoch=0, files=[str(train)],
+                                       fingerprints=[tg.shard_fingerprint(train)]))
+
+
+def test_a_replaced_training_shard_is_refused_unless_forced(tmp_path, capsys):
+    """The prior is counted from the training shards when the checkpoint is read: another shard under the same
+    name gave another --eval (the issue's 15.87 against the log's 5.53), silently. Now it is one line naming the
+    shard, and --force gives the other number with a warning."""
+    train = tmp_path / "data" / "train_000001.bin"
+    train.parent.mkdir()
+    tg.write_shard(train, pattern_corpus(tmp_path, 20_000, seed=1))
+    tg.write_shard(tmp_path / "val_000000.bin", pattern_corpus(tmp_path, 2_000, seed=0))
+    checkpoint = prior_checkpoint(tmp_path, train)
+    argv = [checkpoint, "--eval", tmp_path / "val_*.bin", "--eval_tokens", 512]
+    code, right, err = run_sample(argv, capsys)
+    assert code == 0 and right.startswith("val_loss:") and err == "", err
+    other = np.random.default_rng(5).integers(0, 1000, 20_000)
+    other[::50] = tg.BOS_ID
+    tg.write_shard(train, other)  # the same size, other tokens
+    one_line_error(*run_sample(argv, capsys)[::2], f"{train} is not the training shard the checkpoint's run read",
+                   "the same 41,024 bytes, other contents", "--force")
+    code, wrong, err = run_sample([*argv, "--force"], capsys)
+    assert code == 0 and wrong.split()[0] != right.split()[0], (right, wrong)
+    assert err.startswith(f"sample.py: warning: {train} is not the training shard") and "--force counts" in err, err
+
+
+@pytest.mark.slow
+def test_moved_training_shards_are_found_with_train_files(tmp_path, capsys, monkeypatch):
+    """The hint for a missing training shard said to run from the training's folder, wrong for an absolute path,
+    and nothing could point at the shards' new place: --train_files GLOB does (the same --eval as before)."""
+    train = tmp_path / "data" / "train_000001.bin"
+    train.parent.mkdir()
+    tg.write_shard(train, pattern_corpus(tmp_path, 20_000, seed=1))
+    tg.write_shard(tmp_path / "val_000000.bin", pattern_corpus(tmp_path, 2_000, seed=0))
+    checkpoint = prior_checkpoint(tmp_path, train)
+    argv = [checkpoint, "--eval", tmp_path / "val_*.bin"]
+    right = run_sample(argv, capsys)[1]
+    moved = tmp_path / "elsewhere" / train.name
+    moved.parent.mkdir()
+    train.rename(moved)
+    one_line_error(*run_sample(argv, capsys)[::2], f"{train} is not there; pass --train_files GLOB of where they are now")
+    assert "run from" not in capsys.readouterr().err
+    code, out, err = run_sample([*argv, "--train_files", moved.parent / "*.bin"], capsys)
+    assert code == 0 and out == right and err == "", (out, right, err)
+    one_line_error(*run_sample([*argv, "--train_files", tmp_path / "nothing_*.bin"], capsys)[::2],
+                   f"matches no {train.name} (one of the 1)")
+    relative = tiny_checkpoint(tmp_path / "relative.pt", bigram_prior=1.0,
+                               loader=dict(files=["data/train_000001.bin"], fingerprints=[tg.shard_fingerprint(moved)]))
+    monkeypatch.chdir(tmp_path)
+    one_line_error(*run_sample([relative, "--eval", tmp_path / "val_*.bin"], capsys)[::2],
+                   "data/train_000001.bin is not there (a path relative to the folder the training ran in); run from "
+                   "that folder, or pass --train_files GLOB")

@@ -3,11 +3,13 @@
     python tools/plan_memory.py [train_gpt flags] [--gpu_memory_gb G]
     WORLD_SIZE=8 python tools/plan_memory.py --micro_batch_tokens 18304 --gpu_memory_gb 24
 
-It traces one training step and one validation forward of rank 0 of $WORLD_SIZE processes (default 1) with
-fake tensors (shapes and dtypes, no data: no GPU is touched), counting every tensor storage while it lives:
-parameters, gradients, each optimizer's state, the activations a piece saves for the backward, the head's
-logits, the training and validation peaks. On GPU paths it also names the largest --micro_batch_tokens whose
-peak fits --gpu_memory_gb. The last line is always `predicted peak per process: X GiB` (one GPU's, on GPUs).
+It traces one training step and one validation forward of rank 0 of $WORLD_SIZE processes (the environment
+variable, as torchrun sets it, default 1; there is no --world_size flag) with fake tensors (shapes and dtypes,
+no data: no GPU is touched), counting every tensor storage while it lives: parameters, gradients, each
+optimizer's state, the activations a piece saves for the backward, the head's logits, the training and
+validation peaks. On GPU paths it also names the largest --micro_batch_tokens whose
+peak fits --gpu_memory_gb. The last line is always `predicted peak per process: X GiB` (one GPU's, on GPUs);
+under torchrun only rank 0 prints it, outside torchrun the plan is printed whatever $RANK says.
 Bad flags or environment variables are one line `plan_memory.py: error: ...` on stderr and exit status 2.
 """
 import contextlib
@@ -279,6 +281,10 @@ def plan_report(hp, world_size, gpu_memory_gb):
 
 def parse(argv):
     """train_gpt.py's flags and --gpu_memory_gb -> (Hyperparameters, GiB per GPU)."""
+    flag = next((a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in ("--world_size", "--world-size")), None)
+    if flag:
+        raise ConfigError(f"{flag} is not a flag of this tool: the number of processes comes from the environment, as "
+                          f"torchrun sets it; run WORLD_SIZE=N python tools/plan_memory.py ...")
     parser = build_arg_parser(prog=PROG)
     parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("--gpu_memory_gb", type=float, default=80.0, metavar="FLOAT",
@@ -291,7 +297,7 @@ def parse(argv):
 
 
 def main(argv=None):
-    """Print the plan (rank 0 of $WORLD_SIZE; under torchrun only rank 0 prints)."""
+    """Print the plan (rank 0's of $WORLD_SIZE; under torchrun only rank 0 prints it)."""
     try:
         hp, gpu_memory_gb = parse(sys.argv[1:] if argv is None else argv)
         place = process_place()
@@ -299,7 +305,7 @@ def main(argv=None):
     except (ConfigError, DataError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    if place.rank == 0:
+    if place.rank == 0 or "TORCHELASTIC_RUN_ID" not in os.environ:  # (a RANK of the user's own changes no plan)
         print("\n".join(lines))
 
 

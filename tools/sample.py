@@ -13,14 +13,21 @@ Sampling is deterministic for a --seed on a given device; the text goes to stdou
 Generation stops at the end of a document (<|endoftext|>) or at the model's --max_seq_len.
 
 --eval GLOB prints the mean loss per token over the first --eval_tokens tokens of the shards (default: the
-checkpoint's --val_tokens, fewer if the shards hold fewer) with the final validation's windows, in
-forwards of the trainer's size on one process: on the checkpoint's own validation shards it is the last
-val_loss of its log.
+checkpoint's --val_tokens; fewer if the shards hold fewer, and rounded down to whole forwards, as stderr then
+says) with the final validation's windows, in forwards of the trainer's size on one process: on the
+checkpoint's own validation shards it is the last val_loss of its log.
+
+A model trained with --bigram_prior adds a prior counted from its training shards, which are read again (the
+prior is not in checkpoints): from where the training read them, or --train_files GLOB where they are now
+(matched by file name). The checkpoint records each shard's size and a sampled checksum; a shard that differs
+is one line naming it, unless --force (the prior, and with it every figure, would not be the model's).
 
 Prompts are encoded with the GPT-2 BPE: --bpe PATH names the offline r50k_base.tiktoken ranks file (as
-data/fineweb.py takes it); without it tiktoken's cached or downloaded gpt2 encoding is used. Bad input (a
-missing, corrupt or foreign checkpoint, an empty prompt or one longer than the model takes, no encoding)
-is one line `sample.py: error: ...` on stderr and exit status 2.
+data/fineweb.py takes it); without it tiktoken's cached or downloaded gpt2 encoding is used. --prompt ''
+starts from the document token alone. Only ids the encoding has are drawn (a model whose --vocab_size pads
+the GPT-2 vocabulary never writes its padding ids). Bad input (a missing, corrupt or foreign checkpoint, a
+prompt of only spaces, not UTF-8 or longer than the model takes, no encoding) is one line
+`sample.py: error: ...` on stderr and exit status 2.
 """
 import argparse
 import concurrent.futures
@@ -54,11 +61,12 @@ PROG = "sample.py"
 def build_parser():
     parser = CliParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoint written by train_gpt.py (--save_every, --save_checkpoint)")
-    parser.add_argument("--prompt", help="text to continue (the model sees it as the start of a document)")
+    parser.add_argument("--prompt", help="text to continue (the model sees it as the start of a document); '': "
+                                          "start from the document token alone")
     parser.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate (default: 200)")
     parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0: greedy (default: 0.8)")
     parser.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens; 0: all (default: 50)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling, in [0, 2^63) (default: 0)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: CUDA when present, else CPU; a model with --bigram_prior runs on the CPU "
                              "(default: auto)")
@@ -68,25 +76,48 @@ def build_parser():
     parser.add_argument("--bpe", metavar="PATH", help="r50k_base.tiktoken ranks file for offline use (sha256 checked)")
     parser.add_argument("--eval", metavar="GLOB", help="print the mean loss on these shards instead of sampling")
     parser.add_argument("--eval_tokens", type=int, default=0,
-                        help="tokens to score with --eval (default 0: the checkpoint's --val_tokens)")
+                        help="tokens to score with --eval, rounded down to whole forwards of the trainer's size "
+                             "(default 0: the checkpoint's --val_tokens)")
+    parser.add_argument("--train_files", metavar="GLOB",
+                        help="where the training shards of a --bigram_prior model are now, if they moved (matched by "
+                             "file name; default: where the training read them)")
+    parser.add_argument("--force", action="store_true",
+                        help="count the prior from training shards whose size or checksum differ from those the "
+                             "checkpoint recorded")
     return parser
 
 
 def check_args(args):
     if args.eval is None and args.prompt is None:
         raise tg.ConfigError("pass --prompt TEXT to sample, or --eval GLOB to score shards")
-    if args.prompt is not None and not args.prompt.strip():
-        raise tg.ConfigError("--prompt is empty; give the model some text to continue")
+    if args.prompt and not args.prompt.strip():
+        raise tg.ConfigError("--prompt is only spaces; give the model some text to continue, or pass --prompt '' to "
+                             "start from the document token alone")
+    if args.prompt:
+        check_utf8(args.prompt)
     for name, ok, meaning in (("max_new_tokens", args.max_new_tokens > 0, "must be positive"),
                               ("temperature", math.isfinite(args.temperature) and args.temperature >= 0,
                                "must be a finite number >= 0 (0: the likeliest token each time)"),
                               ("top_k", args.top_k >= 0, "must be >= 0"),
                               ("eval_tokens", args.eval_tokens >= 0, "must be >= 0"),
-                              ("cpu_threads", args.cpu_threads > 0, "must be positive")):
+                              ("cpu_threads", args.cpu_threads > 0, "must be positive"),
+                              ("seed", 0 <= args.seed < 2 ** 63, "must be in [0, 2^63)")):
         if not ok:
             raise tg.ConfigError(f"--{name} {meaning}, got {getattr(args, name)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise tg.ConfigError("--device cuda, but no CUDA device is visible; use --device cpu or auto")
+
+
+def check_utf8(prompt):
+    """Refuse a prompt that is not UTF-8 text: Python keeps the bytes of an invalid command-line argument as lone
+    surrogates, which the encoder would turn into U+FFFD."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(prompt[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X} (a lone surrogate)"
+        raise tg.ConfigError(f"--prompt is not valid UTF-8: {what} at character {e.start}; pass the prompt as UTF-8 "
+                             f"text") from None
 
 
 class LazyTensor(NamedTuple):
@@ -174,17 +205,47 @@ def checkpoint_hyperparameters(path, snap):
     return tg.Hyperparameters(**values)
 
 
-def count_prior(path, snap, hp):
+def warn(message):
+    print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+
+
+def training_shards(path, loader_state, hp, train_files):
+    """The files of the checkpoint's training shards: where the training read them, or those of the same names
+    that the glob train_files matches (--train_files: the shards moved)."""
+    recorded = loader_state.get("files") or []
+    prior = f"its model adds --bigram_prior {hp.bigram_prior:g}, counted from its training shards"
+    if not recorded:
+        raise tg.DataError(f"{path}: {prior}, but the checkpoint names none; was it written by train_gpt.py?")
+    if train_files is not None:
+        found = {Path(f).name: f for f in glob.glob(train_files)}
+        missing = [Path(f).name for f in recorded if Path(f).name not in found]
+        if missing:
+            raise tg.DataError(f"{path}: {prior}, and --train_files {train_files!r} matches no {missing[0]} (one of the "
+                               f"{len(recorded)}); pass a glob that matches every one of them by name")
+        return [found[Path(f).name] for f in recorded]
+    gone = next((f for f in recorded if not Path(f).is_file()), None)
+    if gone is not None:
+        moved = "pass --train_files GLOB of where they are now"
+        raise tg.DataError(f"{path}: {prior}, and {gone} is not there; {moved}" if Path(gone).is_absolute() else
+                           f"{path}: {prior}, and {gone} is not there (a path relative to the folder the training ran "
+                           f"in); run from that folder, or {moved}")
+    return recorded
+
+
+def count_prior(path, snap, hp, train_files=None, force=False):
     """--bigram_prior's BigramPrior: not model state, counted again from the run's training shards, as the
-    trainer did."""
-    files = (snap.get("loader") or {}).get("files") or []
-    if not files:
-        raise tg.DataError(f"{path}: its model adds --bigram_prior {hp.bigram_prior:g}, but the checkpoint names no "
-                           f"training shards to count it from; was it written by train_gpt.py?")
-    gone = [name for name in files if not Path(name).is_file()]
-    if gone:
-        raise tg.DataError(f"{path}: its model adds --bigram_prior {hp.bigram_prior:g}, counted from its training "
-                           f"shards, and {gone[0]} is not there; run from the folder the training ran in")
+    trainer did; shards that are not those the run read (shard_fingerprint) are refused unless force."""
+    state = snap.get("loader") or {}
+    files = training_shards(path, state, hp, train_files)
+    difference = tg.shard_difference(state, files, [tg.shard_fingerprint(f) for f in files])
+    if difference and not force:
+        raise tg.DataError(f"{difference}, so the --bigram_prior counted from it is not {path}'s; put that shard "
+                           f"back, or pass --force to count it anyway")
+    if difference:
+        warn(f"{difference}; --force counts the prior from it")
+    if not state.get("fingerprints"):
+        warn(f"{path} records no checksums of its training shards (its script predates them): the prior is counted "
+             f"from the shards as they are now, unchecked")
     return tg.count_bigram_prior(hp, files)
 
 
@@ -198,20 +259,21 @@ def sampling_device(choice, hp):
     return torch.device("cuda" if cuda else "cpu")
 
 
-def open_checkpoint(path, device_choice):
-    """(contents, Hyperparameters, model, its --bigram_prior's BigramPrior or None): the checkpoint checked as train_gpt.load_checkpoint checks it (header,
-    checksum, keys) and its model in eval mode, fp32, on the device of the --device choice (sampling_device),
+def open_checkpoint(path, device_choice, train_files=None, force=False):
+    """(contents, Hyperparameters, model, its --bigram_prior's BigramPrior or None): the checkpoint checked as
+    train_gpt.load_checkpoint checks it (header, checksum, keys) and its model in eval mode, fp32, on the device
+    of the --device choice (sampling_device),
     with the CPU path's attention (any device), the rotary state (YaRN) of its step and, under --bigram_prior,
-    the prior of its training shards. The checksum of the whole file and the prior's counting run in threads
-    while the model is built (on two cores that halves the start); nothing read is used before the checksum
-    holds."""
+    the prior of its training shards (count_prior, with train_files and force). The checksum of the whole file
+    and the prior's counting run in threads while the model is built (on two cores that halves the start);
+    nothing read is used before the checksum holds."""
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         checksum = pool.submit(file_checksum, path)
         try:
             snap = read_model_state(path)
             hp = checkpoint_hyperparameters(path, snap)
             device = sampling_device(device_choice, hp)
-            prior = pool.submit(count_prior, path, snap, hp) if hp.bigram_prior else None
+            prior = pool.submit(count_prior, path, snap, hp, train_files, force) if hp.bigram_prior else None
             model = tg.GPT(hp, tg.backend_for(hp, torch.device("cpu")))
         except Exception:
             check_checksum(path, *checksum.result())  # a damaged file is named as one, whatever broke its reading
@@ -240,8 +302,15 @@ def next_token(logits, temperature, top_k, generator):
         return int(logits.argmax())
     if top_k and top_k < logits.numel():  # a draw among k, not the whole vocabulary (a draw costs per candidate)
         values, ids = torch.topk(logits, top_k)
-        return int(ids[torch.multinomial(torch.softmax(values / temperature, dim=-1), 1, generator=generator)])
-    return int(torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator))
+        return int(ids[torch.multinomial(probabilities(values, temperature), 1, generator=generator)])
+    return int(torch.multinomial(probabilities(logits, temperature), 1, generator=generator))
+
+
+def probabilities(logits, temperature):
+    """softmax(logits / temperature) in fp32, formed in fp64 from the logits less their largest: every temperature
+    above 0 gives its distribution, the tiniest the greedy limit (logits / 1e-40 overflowed fp32, and the softmax
+    of infinities is NaN). Rounded to fp32 for the draw, which then takes the same random numbers as before."""
+    return torch.softmax((logits.double() - logits.max()) / temperature, dim=-1).float()
 
 
 def rows_after_the_first(stream):
@@ -329,15 +398,15 @@ class Decoder:
         return y.transpose(0, 1).reshape(n, H, hd)
 
 
-def generate(model, ids, hp, windows, args, device, prior=None):
+def generate(model, ids, hp, windows, args, device, drawable, prior=None):
     """(new token ids, why generation stopped, seconds to the first new token): until --max_new_tokens, a
-    document end or --max_seq_len."""
+    document end or --max_seq_len; only ids below `drawable` (those the encoding has) are drawn."""
     generator = torch.Generator(device).manual_seed(args.seed)
     decoder, new, first = Decoder(model, hp, windows, prior), [], None
     start = time.perf_counter()
     logits = decoder.append(ids)
     while True:
-        token = next_token(logits[: hp.vocab_size], args.temperature, args.top_k, generator)
+        token = next_token(logits[:drawable], args.temperature, args.top_k, generator)
         first = time.perf_counter() - start if first is None else first
         if token == tg.BOS_ID:
             return new, "stopped at the end of the document (<|endoftext|>)", first
@@ -352,8 +421,12 @@ def generate(model, ids, hp, windows, args, device, prior=None):
 def sample(args, enc, snap, hp, model, prior, device, started):
     ids = prompt_ids(enc, args.prompt, hp.max_seq_len)
     windows = tg.Schedule(hp).at(snap["step"]).windows
+    drawable = min(hp.vocab_size, enc.n_vocab)
+    if hp.vocab_size > drawable:
+        print(f"{PROG}: note: the model's --vocab_size {hp.vocab_size} pads the encoding's {enc.n_vocab:,} ids; only "
+              f"those are drawn", file=sys.stderr)
     start = time.perf_counter()
-    new, stopped, first = generate(model, ids, hp, windows, args, device, prior)
+    new, stopped, first = generate(model, ids, hp, windows, args, device, drawable, prior)
     seconds = time.perf_counter() - start
     print(enc.decode(ids[1:] + new), flush=True)  # (before the figures on stderr)
     print(f"{len(new)} tokens in {seconds:.2f} s ({len(new) / seconds:.1f} tokens/s) on {device}; first token "
@@ -374,11 +447,18 @@ def shard_tokens(pattern):
 def evaluate(args, snap, hp, model, prior, device):
     """Mean loss per token over the first eval tokens of the shards, in forwards of the trainer's size."""
     available = shard_tokens(args.eval) - 1  # the last target needs one more token
-    wanted = min(args.eval_tokens or hp.val_tokens, available)
+    asked = args.eval_tokens or hp.val_tokens
+    wanted = min(asked, available)
+    if wanted <= 0:
+        raise tg.DataError(f"--eval {args.eval!r} holds {available + 1} token(s); scoring needs at least 2")
     chunk = min(tg.tokens_per_rank(hp.val_batch_size, 1, tg.grad_accum_steps(hp, 1), what="--val_batch_size"), wanted)
     count = wanted // chunk * chunk
-    if count <= 0:
-        raise tg.DataError(f"--eval {args.eval!r} holds {available + 1} tokens; scoring needs at least 2")
+    if count < asked:
+        why = [f"the shards hold {available + 1:,} tokens"] if wanted < asked else []
+        why += [f"whole forwards of {chunk:,} tokens"] if count < wanted else []
+        print(f"{PROG}: note: scoring {count:,} of the {asked:,} tokens asked for (" +
+              ("--eval_tokens" if args.eval_tokens else "the checkpoint's --val_tokens") + f"): {' and '.join(why)}",
+              file=sys.stderr)
     tokens = tg.read_validation_tokens(args.eval, count + 1, hp.vocab_size)
     windows = tg.Schedule(hp).final_windows
     losses = [model(b.inputs, b.targets, b.cu_seqlens, windows, b.bigram_ids, prior=prior)
@@ -400,7 +480,7 @@ def main(argv=None, enc=None):
             import fineweb  # data/fineweb.py: the GPT-2 BPE, offline from --bpe
             enc = fineweb.load_encoding(args.bpe)
         torch.set_num_threads(args.cpu_threads)
-        snap, hp, model, prior = open_checkpoint(args.checkpoint, args.device)
+        snap, hp, model, prior = open_checkpoint(args.checkpoint, args.device, args.train_files, args.force)
         device = model.lm_head.weight.device
         if args.eval is not None:
             return evaluate(args, snap, hp, model, prior, device)
