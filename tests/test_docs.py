@@ -1,6 +1,10 @@
 """The docs follow the code: the configuration table (docs/configuration.md) and --help are the Hyperparameters
-dataclass and its presets; the README is short, links every docs/ file, and every relative link resolves."""
+dataclass and its presets; the README is short, links every docs/ file, and every relative link resolves; the
+README's quickstart command ends at the val losses the README states."""
+import os
 import re
+import shutil
+import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -35,7 +39,7 @@ def config_table():
 def test_config_table_is_the_dataclass():
     doc = CONFIGURATION.read_text(encoding="utf-8")
     table = config_table()
-    assert table in doc, f"{CONFIGURATION.name}'s configuration table is stale: paste the output of `python tests/test_docs.py`"
+    assert table in doc, f"{CONFIGURATION.name}'s table is stale: paste the output of `python tests/test_docs.py`"
     assert len(re.findall(r"^\| `--\w+` \|", doc, re.M)) == len(fields(tg.Hyperparameters))  # one table only
     assert tg.PRESETS["record"] == {}
 
@@ -120,6 +124,42 @@ def test_link_checks_can_fail(tmp_path):
                     "```\n# not a heading\n[d](in_code.md)\n```\n", encoding="utf-8")
     assert list(links(page)) == [(tmp_path / "missing.md", ""), (page, "the-8h100-run")]
     assert anchors(page) == {"the-8h100-run"}
+
+
+QUICKSTART = re.compile(r"## Quickstart.*?```bash\n.*?(\./run\.sh [^\n]*)\n", re.S)
+# the README's sentence on what the quickstart shows, e.g. "falls from **2.79** at step 0 to **1.81** at step 34"
+QUICKSTART_LOSSES = re.compile(r"falls\s+from\s+\*\*(\d+\.\d+)\*\*\s+at\s+step\s+0\s+"
+                               r"to\s+\*\*(\d+\.\d+)\*\*\s+at\s+step\s+(\d+)")
+VAL_LINE = re.compile(r"^step:(\d+)/\d+ val_loss:(\d+\.\d+) ", re.M)
+
+
+@pytest.mark.slow
+def test_readme_quickstart_ends_where_the_readme_says(tmp_path):
+    """The README's first quickstart command, run as a newcomer would on a fresh copy of run.sh and train_gpt.py
+    (no GPU, no shards: the cpu preset on the synthetic corpus it generates), reaches the first and last val
+    losses the README states. A README left behind by a change to the cpu preset fails here.
+    Error model: at a fixed thread count the run is deterministic; another thread count or machine sums fp32 in
+    another order, which 34 steps of training can amplify. Measured (2 shared cores): --cpu_threads 1 and 2 (the
+    default here) print the same val losses to all 4 decimals at steps 0, 10, 20, 30 and 34 (2.7903 ... 1.8145),
+    so that spread is below 0.0001. The README states two decimals (rounding: up to 0.005 off); a further 0.005
+    for the summation order is 50 times the measured spread, and far below what a change to the cpu preset moves
+    (without the prior, step 0 is near ln 50,304 = 10.83)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = QUICKSTART.search(readme)
+    stated = QUICKSTART_LOSSES.search(readme)
+    assert command and stated, "README: the quickstart's ./run.sh command or its 'falls from ... to ...' sentence moved"
+    for name in ("run.sh", "train_gpt.py"):
+        shutil.copy2(ROOT / name, tmp_path / name)
+    env = {k: v for k, v in os.environ.items() if k not in ("DATA_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)  # run.sh's CPU path, with this interpreter
+    result = subprocess.run(["bash", "-c", command[1]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "synthetic corpus" in result.stdout + result.stderr
+    losses = {int(step): float(loss) for step, loss in VAL_LINE.findall(result.stdout)}
+    first, last, last_step = float(stated[1]), float(stated[2]), int(stated[3])
+    assert max(losses) == last_step, (sorted(losses), last_step)
+    assert abs(losses[0] - first) <= 0.01 and abs(losses[last_step] - last) <= 0.01, (losses, first, last)
 
 
 if __name__ == "__main__":
