@@ -205,7 +205,7 @@ class Hyperparameters:
 
 
 
-# The sections of Hyperparameters, by their first field: --help groups the flags by them, the README's table too.
+# The sections of Hyperparameters, by their first field: --help groups the flags by them, docs/configuration.md too.
 HP_SECTIONS = {"train_files": "data", "vocab_size": "model shape",
                "bigram_vocab_size": "recipe ideas, each switched off by the value after \"off:\"",
                "num_scheduled_iterations": "batches and schedule",

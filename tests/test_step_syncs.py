@@ -158,7 +158,7 @@ def test_gpu_smoke_script_dry_run():
     for kind in ("training", "DistAdam", "NorMuon", "Triton kernels", "FP8 head"):
         assert re.search(rf"\b\d+ {kind}\b", plan[3]), plan[3]
     assert int(plan[6]) == round(cuda_plan.budget_s()) <= 420
-    assert f"`{cuda_plan.plan_line()}`" in (ROOT / "README.md").read_text(encoding="utf-8")  # the README's example
+    assert f"`{cuda_plan.plan_line()}`" in (ROOT / "docs" / "gpu-smoke.md").read_text(encoding="utf-8")  # its example
     assert {n for n, status in found.items() if status == "SKIP"} == {c.name for c in cuda_plan.checks if c.cuda_only}
     assert "FAIL" not in found.values() and found["train_steps_move_every_parameter"] == "PASS"
     assert lines[-2].startswith("PASS overall") and "failed: none" in lines[-2]
