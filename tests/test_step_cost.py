@@ -22,16 +22,16 @@ def tiny_hp(*extra):
 
 
 def traced_piece(hp, tokens, step, flop_counter=None):
-    """A fresh Ledger holding the forward and backward of one piece (world size 1)."""
-    ledger = sc.Ledger(1)
+    """A fresh Ledger holding the forward and backward of one piece (world size 1) at `step`'s StepPlan."""
+    ledger, plan = sc.Ledger(1), tg.Schedule(hp).at(step)
     fake = FakeTensorMode()
     with fake:
         model, _, _ = sc.trace_setup(hp, 1, ledger)
         if flop_counter is None:
-            sc.trace_piece(hp, model, fake, ledger, tokens, step)
+            sc.trace_piece(hp, model, fake, ledger, tokens, plan)
         else:
             with flop_counter:
-                sc.trace_piece(hp, model, fake, ledger, tokens, step)
+                sc.trace_piece(hp, model, fake, ledger, tokens, plan)
     return ledger
 
 
