@@ -4043,6 +4043,11 @@ class StopSignals:
         name = signal.Signals(signum).name
         if not self.noting:
             raise Preempted(f"stopped by {name} before the first training step; nothing new to save")
+        if self.received is None and os.environ.get("RANK", "0") == "0":
+            # at once, so a long step (many --micro_batch_tokens pieces) does not look like an ignored signal;
+            # os.write: a print could re-enter a write the handler interrupted
+            with contextlib.suppress(OSError):  # (a closed terminal: SIGHUP's usual company)
+                os.write(2, f"{name} received: the run stops with a checkpoint within 1-3 steps\n".encode())
         self.received = self.received or name
 
 
