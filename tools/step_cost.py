@@ -607,10 +607,33 @@ def report(hp, world_size, gpu, top=12):
     return lines
 
 
+def canonical_shape(shape):
+    """'bfloat16[1, 3072, 768]' -> 'bfloat16[3072, 768]': leading 1s dropped, so that a bmm of one matrix and
+    an mm, or a (1, T, D) and a (T, D) pointwise result, are one item."""
+    dtype, _, dims = shape.partition("[")
+    dims = dims.rstrip("]").split(", ") if dims.rstrip("]") else []
+    while len(dims) > 1 and dims[0] == "1":
+        dims = dims[1:]
+    return f"{dtype}[{', '.join(dims)}]" if shape else shape
+
+
+def items(cost):
+    """{(phase, class, output): (ms/step, op names)} of a StageCost's items, outputs canonical."""
+    merged = {}
+    for (phase, kind, name, shape), seconds in cost.top.items():
+        key = phase, kind, canonical_shape(shape)
+        total, names = merged.get(key, (0.0, ()))
+        merged[key] = total + seconds, tuple(sorted(set(names) | {name}))
+    return merged
+
+
 def differences(ours, reference, top):
-    """The `top` items (phase, class, op, output) whose ms/step differ most between the two steps."""
-    keys = set(ours.top) | set(reference.top)
-    return sorted(((ours.top[k] - reference.top[k], k) for k in keys), key=lambda d: -abs(d[0]))[:top]
+    """The `top` items (phase, class, output) whose seconds/step differ most between the two steps, as
+    (ours - reference, key, (ours seconds, names), (reference seconds, names))."""
+    mine, theirs = items(ours), items(reference)
+    rows = [(mine.get(k, (0.0, ()))[0] - theirs.get(k, (0.0, ()))[0], k, mine.get(k, (0.0, ())),
+             theirs.get(k, (0.0, ()))) for k in set(mine) | set(theirs)]
+    return sorted(rows, key=lambda row: -abs(row[0]))[:top]
 
 
 def side_by_side(hp, world_size, gpu, log_path, top=12):
@@ -632,12 +655,12 @@ def side_by_side(hp, world_size, gpu, log_path, top=12):
         lines.append(f"stage {o.stage + 1}: predicted ms/step ours {o.step_seconds * 1e3:.1f}, reference "
                      f"{r.step_seconds * 1e3:.1f}, ratio {o.step_seconds / r.step_seconds:.2f}")
         if top and o.stage == 2:
-            lines.append(f"stage 3: the {top} items (phase, class, op -> largest output) whose ms/step differ most, "
-                         "ours - reference:")
-            for difference, (phase, kind, name, shape) in differences(o, r, top):
-                lines.append(f"  {difference * 1e3:+7.2f} ms (ours {o.top[phase, kind, name, shape] * 1e3:6.2f}, "
-                             f"reference {r.top[phase, kind, name, shape] * 1e3:6.2f})  {phase:<9} {kind:<20} "
-                             f"{name} -> {shape}")
+            lines.append(f"stage 3: the {top} items (phase, class, largest output; the ops of each side) whose "
+                         "ms/step differ most, ours - reference:")
+            for difference, (phase, kind, shape), (mine, my_ops), (theirs, their_ops) in differences(o, r, top):
+                lines.append(f"  {difference * 1e3:+7.2f} ms (ours {mine * 1e3:6.2f}, reference {theirs * 1e3:6.2f})  "
+                             f"{phase:<9} {kind:<20} {shape}  ours: {' '.join(my_ops) or '-'}; reference: "
+                             f"{' '.join(their_ops) or '-'}")
     ours_s, reference_s = train_seconds(ours), train_seconds(reference)
     ratio = ours_s / reference_s
     lines.append(f"predicted train time: ours {ours_s:.1f} s, reference {reference_s:.1f} s, ratio {ratio:.3f}; at the "
