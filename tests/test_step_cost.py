@@ -355,3 +355,39 @@ def test_world_size_follows_the_environment(capsys, monkeypatch):
 def test_a_log_without_the_kernels_section_is_refused(tmp_path):
     with pytest.raises(rs.LogError, match="triton_kernels.py"):
         rs.split_log("import torch\nprint('a log of another era')\n", "log.txt")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REFERENCE_LOG.is_file(), reason="the reference log (../shared/reference/) is absent")
+def test_reference_step_at_reduced_size():
+    """The reference's own step (record #89's log) at 2,048 tokens per rank, stages 2 (tied embedding) and 3 of 8
+    ranks, ~15 s. Forward and backward matmuls are 6 T per-token weights (its 10 attention layers' Q, K, V, O, its
+    11 MLPs, the head) within 1 % (gates and MUDD's small networks left out); attention is 3.5 x 4 x 128^2 x
+    head_dim x heads per visible tile, the tiles of each layer's window from the record's schedule ((3, 7) and
+    (5, 11) blocks; layer 6 has no attention; the paired layers 0, 2, 5, 9 attend over twice the positions with
+    half the heads; layers 3 and 10 take the long window); every stand-in runs; NorMuon's banks travel in bf16;
+    the bigram table's exchange is an all-to-all."""
+    T, D, L, V, hd = 2048, 768, 11, 50304, 128
+    costs, _ = sc.reference_stage_costs(REFERENCE_LOG, 8, H100, stages=[1, 2], tokens_per_rank=T)
+    per_token = (L - 1) * 4 * D * D + L * 2 * 4 * D * D + V * D
+    for cost, (short, long) in zip(costs, [(3, 7), (5, 11)]):
+        traced = sum(op.flops * w for op, w in cost.ops if op.kind.startswith("matmul") and op.phase != "optimizer")
+        print(f"stage {cost.stage + 1}: matmul FLOPs traced/analytic {traced / (6 * T * per_token):.4f}")
+        assert abs(traced / (6 * T * per_token) - 1) < 0.01
+        attention = 0
+        for layer in range(L):
+            if layer == 6:
+                continue
+            paired = layer in (0, 2, 5, 9)
+            blocks = long if layer in (3, 10) else short
+            attention += analytic_visible_tiles(2 * T if paired else T, blocks) * 4 * 128 ** 2 * hd * (3 if paired else 6)
+        traced_attention = sum(op.flops * w for op, w in cost.ops if op.kind == "attention")
+        assert traced_attention == pytest.approx(3.5 * attention, rel=1e-12)
+        names = {op.name for op, _ in cost.ops}
+        expected = {"xxt", "xtx", "ba_plus_caa", "linear_relu_square", "linear_relu_square_backward", "ce_fwd_bwd",
+                    "quantize_transpose", "reduce_amax", "transpose_copy", "alltoall_base_"}
+        assert expected <= names, expected - names
+        assert ("transpose_add" in names) == (cost.stage == 1)  # lm_head += embed.grad.T while tied
+        banks = {op.shape for op, _ in cost.ops if op.kind == "collectives" and "3072, 768" in op.shape}
+        assert banks == {"bfloat16[3, 3072, 768]", "bfloat16[24, 3072, 768]"}
+        assert cost.kernels > 100 and cost.launch > 0 and cost.latency > 0

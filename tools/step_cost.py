@@ -515,13 +515,16 @@ def stage_costs(hp, world_size, peaks, stages=range(4)):
             length = tg.padded_piece_length(tokens, tg.piece_cap(hp), plans[first].max_seq_len)
             # pieces of whole documents: at least ceil(tokens / N) of them (how many more depends on the data)
             count = 1 if length == tokens else -(-tokens // hp.micro_batch_tokens)
-            start = len(ledger.ops)
-            trace_piece(hp, model, fake, ledger, length, plans[first])
-            totals = cost_of(ledger, ledger.ops[start:], peaks, accum * count, None)
-            odd_steps = sum(plan.adam_step for plan in plans[first:following])
             if optimizers[1].tied and schedule.untie_step is not None and schedule.untie_step < following:
                 optimizers[1].untie()
-            for step, share in ((first | 1, odd_steps), ((first | 1) + 1, following - first - odd_steps)):
+            # an even step (DistAdam's gradients start) and an odd one (they accumulate, DistAdam steps)
+            even = first + first % 2
+            odd_steps = sum(plan.adam_step for plan in plans[first:following])
+            totals = None
+            for step, share in ((even, following - first - odd_steps), (even + 1, odd_steps)):
+                start = len(ledger.ops)
+                trace_piece(hp, model, fake, ledger, length, schedule.at(step))
+                totals = cost_of(ledger, ledger.ops[start:], peaks, accum * count * share / (following - first), totals)
                 start = len(ledger.ops)
                 trace_optimizer_step(model, optimizers, schedule.at(step), ledger)
                 totals = cost_of(ledger, ledger.ops[start:], peaks, share / (following - first), totals)
