@@ -391,3 +391,12 @@ def test_reference_step_at_reduced_size():
         banks = {op.shape for op, _ in cost.ops if op.kind == "collectives" and "3072, 768" in op.shape}
         assert banks == {"bfloat16[3, 3072, 768]", "bfloat16[24, 3072, 768]"}
         assert cost.kernels > 100 and cost.launch > 0 and cost.latency > 0
+
+
+def test_copy_writes_its_destination_without_reading_it():
+    """copy_ into a (strided) destination reads the source and writes the destination once; add_ reads both."""
+    ops, ledger = traced_ops(lambda dst, src: (dst.T.copy_(src), dst.add_(src.T)), ((768, 4096), BF16),
+                             ((4096, 768), BF16))
+    size = 768 * 4096 * 2
+    assert ledger.op_bytes(only_op(ops, "copy_")) == (size, size)
+    assert ledger.op_bytes(only_op(ops, "add_")) == (2 * size, size)

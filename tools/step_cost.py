@@ -72,6 +72,8 @@ GATHERS = {"embedding", "index", "index_select", "gather"}
 # functional index_put of an index's backward, into a fresh zero tensor, as a compiler does it in place)
 ROW_SCATTERS = {"index_put_": 2, "index_add_": 3, "_unsafe_index_put_": 2, "scatter_add_": 3, "index_put": 2,
                 "_unsafe_index_put": 2}
+# in-place ops that overwrite self without reading it
+OVERWRITES = {"copy_"}
 ALLOCATION_ONLY = {"new_empty", "new_empty_strided", "empty_like", "empty", "empty_strided"}
 METADATA = {"size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "dim", "is_contiguous",
             "storage_offset", "sym_storage_offset", "is_strides_like_format", "is_non_overlapping_and_dense",
@@ -277,16 +279,17 @@ class Ledger(LiveMemory):
 
     @staticmethod
     def _mutated_arguments(func, args, kwargs):
-        """[(tensor, read too?)] of the arguments an op writes: an `out=` argument and a stand-in's outputs are
-        written only; an in-place op's self is read and written."""
-        mutated = []
+        """[(tensor, read too?)] of the arguments an op writes: an `out=` argument, copy_'s destination and a
+        stand-in's outputs are written only; an in-place op's self is read and written."""
+        name, mutated = func._overloadpacket.__name__, []
         for i, argument in enumerate(func._schema.arguments):
             if argument.alias_info is None or not argument.alias_info.is_write:
                 continue
             value = args[i] if i < len(args) else kwargs.get(argument.name)
             if isinstance(value, torch.Tensor):
                 stand_in = func.namespace == reference_step.NAMESPACE
-                written_only = argument.name == "out" or stand_in and argument.name not in reference_step.READ_AND_WRITTEN
+                written_only = (argument.name == "out" or name in OVERWRITES
+                                or stand_in and argument.name not in reference_step.READ_AND_WRITTEN)
                 mutated.append((value, not written_only))
         return mutated
 
