@@ -1,9 +1,9 @@
 """The reference's training step for the step-cost ledger: a modded-nanogpt record log's own train_gpt.py and
 triton_kernels.py, loaded without running their training, with stand-ins for what cannot run on fake tensors.
 
-    load(log_path) -> Reference        (the definitions, in a module of their own)
-    Reference.setup(world_size) -> (model, manager)
-    Reference.trace_step(...)          (one step's forward, backward and optimizer step into a Ledger)
+    reference = Reference(log_path, world_size, attention_op)   (the definitions, in modules of their own)
+    model, manager = reference.build()                          (under the trace's FakeTensorMode and process group)
+    reference.step(model, manager, step, tokens, ledger)        (one training step into a step_cost.Ledger)
 
 Loading. Such a log starts with the record's train_gpt.py, then a line of 40 '-', '# triton_kernels.py', another
 line of 40 '-', that file, and a line of 100 '=' before the run's output. Both files go to a temporary folder
@@ -20,7 +20,8 @@ line of 40 '-', that file, and a line of 100 '=' before the run's output. Both f
   launcher they or the script call is replaced by STAND_INS: a custom op each, reading and writing the tensors
   the kernel reads and writes, with its FLOPs (tensor-core tiles it computes; pointwise kernels count none,
   as FlopCounterMode counts none for pointwise ops). A launcher without a stand-in stops the trace with its
-  name.
+  name. Their backwards may return fewer gradients than they have inputs (dynamo, which runs them in the
+  record, pads with None; eager autograd does not): the loader pads them.
 The model is built from the script's own `model = GPT(...)` statement and the casts after it. All fake tensors
 live on the CPU device; the optimizer's 0-d tensors, which the reference keeps on the CPU, are marked as host
 tensors: ops on them alone are host work that launches no kernel.
