@@ -2,6 +2,7 @@
 FLOPs are FlopCounterMode's, it sees fp32 GEMMs where there are some (a positive control) and none in the
 shipped FP8 MLP, and the bytes a traced forward keeps are the memory plan's (slow: a fake-tensor trace of a
 tiny model's step takes ~20 s on 2 cores). The FP8 MLP's bf16 weight gradients meet their error model."""
+import math
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,247 @@ def test_fp8_mlp_weight_gradients_within_the_bf16_error_model():
         print(f"max error / bound: {(error / bound).max():.3f}")
         assert (error <= bound).all()
         assert (error > 0).any()  # bf16 outputs: not the fp64 values
+
+
+# ---- the reference's stand-ins, the cost model's launch floor and collective latency, the flags
+
+import reference_step as rs  # noqa: E402
+
+REFERENCE_LOG = Path(__file__).resolve().parents[2] / "shared" / "reference" / \
+    "modded-nanogpt_2026-07-17_FP8DownProjection_11cb620c.txt"
+
+
+def traced_ops(fn, *shapes_and_dtypes):
+    """The ops a Ledger records (and the Ledger) while fn runs on fake tensors made from (shape, dtype) pairs; its
+    result stays alive (in the ledger), as a step's outputs do."""
+    ledger, fake = sc.Ledger(1), FakeTensorMode()
+    with fake:
+        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes_and_dtypes]
+        with ledger:
+            ledger.result = fn(*tensors)
+    return ledger.ops, ledger
+
+
+def only_op(ops, name):
+    (op,) = [op for op in ops if op.name == name]
+    return op
+
+
+def nbytes(shape, dtype):
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def upper_tiles(m, block_m, block_n):
+    """Tiles (i, j) of the block grid whose rows reach the diagonal: j * block_n < (i + 1) * block_m."""
+    return sum(min(-(-m // block_n), -(-(i + 1) * block_m // block_n)) for i in range(-(-m // block_m)))
+
+
+BF16, F32, E4M3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("batch, m, k", [(3, 768, 768), (8, 256, 768), (2, 512, 1024)])
+def test_xxt_stand_in_counts_the_kernels_tiles(batch, m, k):
+    """XXT computes the output tiles on or above the diagonal block row (128 x 128 tiles for K = 768, 64 x 128
+    otherwise), each a full tile times K; it reads A and writes the M x M output. Error model: none (integers)."""
+    bm, bn = (128, 128) if k == 768 else (64, 128)
+    ops, ledger = traced_ops(lambda a, out: rs.XXT(a, out), ((batch, m, k), BF16), ((batch, m, m), BF16))
+    op = only_op(ops, "xxt")
+    assert op.kind == "matmul bf16"
+    assert op.flops == batch * upper_tiles(m, bm, bn) * 2 * bm * bn * k
+    assert ledger.op_bytes(op) == (nbytes((batch, m, k), BF16), nbytes((batch, m, m), BF16))
+
+
+def test_xtx_and_ba_plus_caa_stand_ins():
+    """XTX of the MLP bank's (3, 3072, 768) chunk: 21 of the 6 x 6 tiles of the 768 x 768 output, contraction
+    3072; ba_plus_cAA of (3, 768, 768): the same tiles, contraction 768, reading A once."""
+    ops, ledger = traced_ops(lambda a, out: rs.XTX(a, out), ((3, 3072, 768), BF16), ((3, 768, 768), BF16))
+    op = only_op(ops, "xtx")
+    assert op.flops == 3 * 21 * 2 * 128 * 128 * 3072
+    assert ledger.op_bytes(op) == (nbytes((3, 3072, 768), BF16), nbytes((3, 768, 768), BF16))
+    ops, ledger = traced_ops(lambda a, out: rs.ba_plus_cAA(a, 2.0, -1.0, out), ((3, 768, 768), BF16),
+                             ((3, 768, 768), BF16))
+    op = only_op(ops, "ba_plus_caa")
+    assert op.flops == 3 * 21 * 2 * 128 * 128 * 768
+    assert ledger.op_bytes(op) == (nbytes((3, 768, 768), BF16),) * 2
+
+
+def test_linear_relu_square_stand_ins():
+    """Forward (FP8 in, FP8 out): 2 M N K FLOPs as an FP8 GEMM; reads x and W1 in e4m3 and two scales, writes
+    pre and post (bf16), post in e4m3 and one amax per program (132 SMs). Backward: 2 M N K in bf16, reading
+    the gradient, W2 and pre, writing the pre-activation gradient."""
+    M, N, K = 512, 3072, 768
+    ops, ledger = traced_ops(
+        lambda x, w1, x8, w18, s, a, amax: rs.linear_relu_square(x, w1, a_f8=x8, b_f8=w18, dequant_scale_ptr=s,
+                                                                  activation_scale=a, partial_amax=amax[0]),
+        ((M, K), BF16), ((N, K), BF16), ((M, K), E4M3), ((N, K), E4M3), ((1,), F32), ((1,), F32),
+        ((11, rs.NUM_SMS), F32))
+    op = only_op(ops, "linear_relu_square")
+    assert (op.kind, op.flops) == ("matmul fp8", 2 * M * N * K)
+    assert ledger.op_bytes(op) == (M * K + N * K + 8, 2 * 2 * M * N + M * N + 4 * rs.NUM_SMS)
+    ops, ledger = traced_ops(lambda g, w2, pre: rs.linear_relu_square(g, w2, aux=pre),
+                             ((M, K), BF16), ((N, K), BF16), ((M, N), BF16))
+    op = only_op(ops, "linear_relu_square_backward")
+    assert (op.kind, op.flops) == ("matmul bf16", 2 * M * N * K)
+    assert ledger.op_bytes(op) == (2 * (M * K + N * K + M * N), 2 * M * N)
+
+
+def test_loss_and_copy_stand_ins_move_their_tensors():
+    """ce_fwd_bwd reads each row's bf16 logits, the int64 targets and the MTP weights and writes the fp32 losses
+    and the e5m2 gradient; the quantize-transpose reads the strided down projections (12 of the bank's 24
+    matrices) and writes them in e4m3 with the scales and 12 x 576 tile amaxes, then the amax reduction reads
+    those; transpose_copy reads and writes once, transpose_add reads both and writes one. No FLOPs (pointwise
+    kernels count none, as FlopCounterMode counts none for ours), and none of them fuses."""
+    R, V = 256, 50304
+    ops, ledger = traced_ops(lambda l, t, w, loss, g: rs.ce_fwd_bwd(l, t, w, loss, g, R, 3, 23.0, 5.0, 7.5, 1.0, 1.0),
+                             ((R, V), BF16), ((R,), torch.int64), ((3,), F32), ((R,), F32),
+                             ((R, V), torch.float8_e5m2))
+    op = only_op(ops, "ce_fwd_bwd")
+    assert (op.flops, op.fusable) == (0, False)
+    assert ledger.op_bytes(op) == (2 * R * V + 8 * R + 12, 4 * R + R * V)
+    ops, ledger = traced_ops(
+        lambda bank, out, nxt, used, amax: rs.quantize_transpose_mlp_down_weights(bank[:, 1], out, nxt, used, amax),
+        ((12, 2, 3072, 768), BF16), ((12, 768, 3072), E4M3), ((12,), F32), ((12,), F32), ((12, 576), F32))
+    quantize, reduce = only_op(ops, "quantize_transpose"), only_op(ops, "reduce_amax")
+    assert ledger.op_bytes(quantize) == (2 * 12 * 3072 * 768 + 48, 12 * 768 * 3072 + 48 + 4 * 12 * 576)
+    assert ledger.op_bytes(reduce) == (4 * 12 * 576, 48)
+    ops, ledger = traced_ops(lambda src, dst: (rs.transpose_copy(src, dst), rs.transpose_add(dst, src)),
+                             ((768, 4096), BF16), ((4096, 768), BF16))
+    assert ledger.op_bytes(only_op(ops, "transpose_copy")) == (2 * 768 * 4096,) * 2
+    assert ledger.op_bytes(only_op(ops, "transpose_add")) == (4 * 768 * 4096, 2 * 768 * 4096)
+
+
+@pytest.mark.parametrize("seq_len, window", [(1024, 384), (2048, 640), (1000, 100), (512, 4096)])
+def test_window_tiles_are_the_visible_tile_pairs(seq_len, window):
+    """FA3's causal sliding window (key k seen by query q when q - window <= k <= q): the 128 x 128 tile pairs
+    holding at least one visible pair, counted by brute force over positions."""
+    q = torch.arange(seq_len)[:, None]
+    k = torch.arange(seq_len)[None, :]
+    visible = (k <= q) & (k >= q - window)
+    tiles = -(-seq_len // 128)
+    pad = torch.zeros(tiles * 128, tiles * 128, dtype=torch.bool)
+    pad[:seq_len, :seq_len] = visible
+    expected = int(pad.view(tiles, 128, tiles, 128).any(3).any(1).sum())
+    assert rs.window_tiles(seq_len, window) == expected
+
+
+def test_launch_floor_joins_fused_ops_into_one_kernel():
+    """A pointwise chain (its intermediate dies in the phase) is one kernel, a matmul another: with a launch
+    floor of 1 s, the step costs 2 s, and the floor adds 2 s less the two kernels' roofline time."""
+    peaks = dict(H100, launch=1.0)
+
+    def chain(a, w):
+        return ((a + 1) * 2) @ w
+
+    ops, ledger = traced_ops(chain, ((256, 64), F32), ((64, 64), F32))
+    totals = sc.cost_of(ledger, ops, peaks)
+    assert totals["kernels"] == 2
+    roofline = totals["compute"] + totals["memory"]
+    assert 0 < roofline < 1e-3
+    assert totals["launch"] == pytest.approx(2.0 - roofline, rel=1e-12)
+    no_floor = sc.cost_of(ledger, ops, dict(H100, launch=0.0))
+    assert no_floor["launch"] == 0 and no_floor["kernels"] == 2
+
+
+def test_collectives_pay_nccls_latency():
+    """Over 8 ranks, an all-reduce pays base + 14 hops, a reduce-scatter base + 7 hops, each plus its ring bytes
+    over NVLink; with no latency only the bytes remain."""
+    import torch.distributed as dist
+
+    def collectives(x, chunk):
+        dist.all_reduce(x)
+        dist.reduce_scatter_tensor(chunk, x)
+
+    ledger, fake = sc.Ledger(8), FakeTensorMode()
+    with pm.fake_world(8), fake:
+        x, chunk = torch.empty(8 * 1024, dtype=BF16), torch.empty(1024, dtype=BF16)
+        with ledger:
+            collectives(x, chunk)
+    totals = sc.cost_of(ledger, ledger.ops, H100)
+    base, hop, link = H100["nccl_base"], H100["nccl_hop"], H100["nvlink"]
+    sent = 2 * 16384 * 7 / 8 + 16384 * 7 / 8
+    assert totals["collectives"] == 2
+    assert totals["latency"] == pytest.approx(2 * base + 21 * hop, rel=1e-12)
+    assert totals["comm"] == pytest.approx(2 * base + 21 * hop + sent / link, rel=1e-12)
+    assert sc.cost_of(ledger, ledger.ops, dict(H100, nccl_base=0.0, nccl_hop=0.0))["comm"] == \
+        pytest.approx(sent / link, rel=1e-12)
+
+
+def test_gathers_read_the_rows_they_gather():
+    """An embedding lookup of 100 rows reads 100 rows of its 50,000-row table, not the table."""
+    ops, ledger = traced_ops(lambda table, ids: torch.nn.functional.embedding(ids, table),
+                             ((50000, 64), BF16), ((100,), torch.int64))
+    assert ledger.op_bytes(only_op(ops, "embedding")) == (100 * 64 * 2 + 800, 100 * 64 * 2)
+
+
+def one_line_error(capsys, argv, env=None, monkeypatch=None):
+    with pytest.raises(SystemExit) as exit_info:
+        sc.parse(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("step_cost.py: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("argv, says", [(["--top", "-5"], "--top"), (["--bogus", "1"], "--bogus"),
+                                        (["--preset", "cpu"], "--bigram_prior 0"),
+                                        (["--reference", "/nonexistent/log.txt"], "no such file")])
+def test_bad_flags_get_one_line_errors(capsys, argv, says):
+    assert says in one_line_error(capsys, argv)
+
+
+def test_world_size_follows_the_environment(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert sc.parse([])[0].world_size == 4
+    assert sc.parse(["--world_size", "2"])[0].world_size == 2
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    assert "WORLD_SIZE" in one_line_error(capsys, [])
+
+
+def test_a_log_without_the_kernels_section_is_refused(tmp_path):
+    with pytest.raises(rs.LogError, match="triton_kernels.py"):
+        rs.split_log("import torch\nprint('a log of another era')\n", "log.txt")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REFERENCE_LOG.is_file(), reason="the reference log (../shared/reference/) is absent")
+def test_reference_step_at_reduced_size():
+    """The reference's own step (record #89's log) at 2,048 tokens per rank, stages 2 (tied embedding) and 3 of 8
+    ranks, ~15 s. Forward and backward matmuls are 6 T per-token weights (its 10 attention layers' Q, K, V, O, its
+    11 MLPs, the head) within 1 % (gates and MUDD's small networks left out); attention is 3.5 x 4 x 128^2 x
+    head_dim x heads per visible tile, the tiles of each layer's window from the record's schedule ((3, 7) and
+    (5, 11) blocks; layer 6 has no attention; the paired layers 0, 2, 5, 9 attend over twice the positions with
+    half the heads; layers 3 and 10 take the long window); every stand-in runs; NorMuon's banks travel in bf16;
+    the bigram table's exchange is an all-to-all."""
+    T, D, L, V, hd = 2048, 768, 11, 50304, 128
+    costs, _ = sc.reference_stage_costs(REFERENCE_LOG, 8, H100, stages=[1, 2], tokens_per_rank=T)
+    per_token = (L - 1) * 4 * D * D + L * 2 * 4 * D * D + V * D
+    for cost, (short, long) in zip(costs, [(3, 7), (5, 11)]):
+        traced = sum(op.flops * w for op, w in cost.ops if op.kind.startswith("matmul") and op.phase != "optimizer")
+        print(f"stage {cost.stage + 1}: matmul FLOPs traced/analytic {traced / (6 * T * per_token):.4f}")
+        assert abs(traced / (6 * T * per_token) - 1) < 0.01
+        attention = 0
+        for layer in range(L):
+            if layer == 6:
+                continue
+            paired = layer in (0, 2, 5, 9)
+            blocks = long if layer in (3, 10) else short
+            attention += analytic_visible_tiles(2 * T if paired else T, blocks) * 4 * 128 ** 2 * hd * (3 if paired else 6)
+        traced_attention = sum(op.flops * w for op, w in cost.ops if op.kind == "attention")
+        assert traced_attention == pytest.approx(3.5 * attention, rel=1e-12)
+        names = {op.name for op, _ in cost.ops}
+        expected = {"xxt", "xtx", "ba_plus_caa", "linear_relu_square", "linear_relu_square_backward", "ce_fwd_bwd",
+                    "quantize_transpose", "reduce_amax", "transpose_copy", "alltoall_base_"}
+        assert expected <= names, expected - names
+        assert ("transpose_add" in names) == (cost.stage == 1)  # lm_head += embed.grad.T while tied
+        banks = {op.shape for op, _ in cost.ops if op.kind == "collectives" and "3072, 768" in op.shape}
+        assert banks == {"bfloat16[3, 3072, 768]", "bfloat16[24, 3072, 768]"}
+        assert cost.kernels > 100 and cost.launch > 0 and cost.latency > 0
+
+
+def test_copy_writes_its_destination_without_reading_it():
+    """copy_ into a (strided) destination reads the source and writes the destination once; add_ reads both."""
+    ops, ledger = traced_ops(lambda dst, src: (dst.T.copy_(src), dst.add_(src.T)), ((768, 4096), BF16),
+                             ((4096, 768), BF16))
+    size = 768 * 4096 * 2
+    assert ledger.op_bytes(only_op(ops, "copy_")) == (size, size)
+    assert ledger.op_bytes(only_op(ops, "add_")) == (2 * size, size)

@@ -1,20 +1,23 @@
 """Step-cost ledger: where the time of one training step goes on a GPU, predicted without one.
 
-    python tools/step_cost.py [train_gpt flags] [--world_size N] [--gpu h100|h200]
+    python tools/step_cost.py [train_gpt flags] [--world_size N] [--gpu h100|h200] [--reference LOG]
 
 For each stage of the run it traces one training step of rank 0 of N ranks (the forward and backward of
 every micro-step piece, then the optimizer step) on fake tensors, the way train_gpt.py's memory plan does:
 shapes and dtypes only, no GPU and no data. Every op of the GPU path is counted: the FP8 head and its loss
 (the FP8 custom op's eager body, casts and transposes included), the FP8 MLP, a fused-attention stand-in with
 FlexAttention's block mask and footprint, the optimizers with their collectives (a fake process group).
+With --reference LOG it traces a modded-nanogpt record's own step the same way (tools/reference_step.py) and
+prints the two side by side.
 
 FLOPs come from torch.utils.flop_counter (FlopCounterMode's formulas, one for the attention stand-in per
 visible 128 x 128 block); bytes from the storages the ops read and write (the memory plan's live-storage
 tracer). Ideal fusion: a tensor made by a pointwise/reduction op, read only by such ops and dead within the
-same phase (forward, backward, optimizer) never reaches memory. Each op then costs its roofline time,
-max(FLOPs / peak of its class, bytes / HBM bandwidth); collectives cost their ring traffic over NVLink and
-overlap the optimizer step's compute (this code starts them after the backward). The prediction is a
-bound: fusion and overlap are ideal, no launch overheads. The reference's measured ms/step stands beside it.
+same phase (forward, backward, optimizer) never reaches memory; the ops joined by such tensors are one kernel.
+Each op costs its roofline time, max(FLOPs / peak of its class, bytes / HBM bandwidth), and each kernel at
+least the launch floor; each collective costs NCCL's latency plus its ring traffic over NVLink, and the
+collectives overlap the optimizer step's compute (both codes start them after the backward). It is a model:
+see docs/where-the-time-goes.md for what it leaves out.
 """
 import argparse
 import collections
@@ -22,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import warnings
 import sys
 import weakref
 
@@ -30,20 +34,28 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt as tg  # noqa: E402
 from plan_memory import PLAN_PIECE_STEP, LiveMemory, fake_world, plan_batch, planned_model  # noqa: E402
+import reference_step  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils.flop_counter import (FlopCounterMode, register_flop_formula, sdpa_backward_flop_count,  # noqa: E402
                                       sdpa_flop_count)
 
 # Peak rates, dense (no sparsity); sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5 column) and NVIDIA
 # H200 Tensor Core GPU datasheet (SXM column); NVLink 4: 900 GB/s per GPU in both directions together.
+# launch: the least time a kernel takes after the one before it, however little it does (a few us: NVIDIA
+# Technical Blog, "Getting Started with CUDA Graphs", 2019, short kernels launched back to back).
+# nccl_base, nccl_hop: NCCL's latency model for a ring over NVLink, LL protocol (its small-message latency):
+# base + steps x hop, steps = 2 (n - 1) for an all-reduce, n - 1 for the others (NCCL src/graph/tuning.cc,
+# baseLat and hwLat).
 GPU_PEAKS = {
     "h100": dict(name="H100 SXM", fp8=1979e12, bf16=989e12, tf32=494.5e12, fp32=67e12, hbm=3.35e12, nvlink=450e9,
-                 memory_gb=80),
+                 memory_gb=80, launch=3e-6, nccl_base=3.6e-6, nccl_hop=0.47e-6),
     "h200": dict(name="H200 SXM", fp8=1979e12, bf16=989e12, tf32=494.5e12, fp32=67e12, hbm=4.8e12, nvlink=450e9,
-                 memory_gb=141),
+                 memory_gb=141, launch=3e-6, nccl_base=3.6e-6, nccl_hop=0.47e-6),
 }
-# modded-nanogpt record #89 (2026-07-17, FP8 down projection), its log on 8 x H100: ms/step per stage
+# modded-nanogpt record #89 (2026-07-17, FP8 down projection), its log on 8 x H100: ms/step per stage and the
+# mean train time of its 13 runs
 REFERENCE_MS_PER_STAGE = (31.4, 56.8, 82.7)
+REFERENCE_TRAIN_SECONDS = 79.7
 CLASSES = ("matmul fp8", "matmul bf16", "matmul tf32", "matmul fp32", "attention", "pointwise/reduction", "collectives")
 PHASES = ("forward", "backward", "optimizer")
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")  # their ops return the buffers they fill
@@ -54,6 +66,14 @@ UNFUSABLE = {"scatter", "scatter_add", "scatter_add_", "scatter_", "scatter_redu
 # ops that only take their input's shape and dtype: they read nothing (the empty ones write nothing either)
 SHAPE_ONLY = {"new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided", "zeros_like", "ones_like",
               "full_like", "empty_like", "zero_", "fill_"}
+# ops that read rows of their first argument at indices: they read the rows they gather, not the table
+GATHERS = {"embedding", "index", "index_select", "gather"}
+# ops that add or put rows (the argument at the index given) into self at indices: self's rows touched (the
+# functional index_put of an index's backward, into a fresh zero tensor, as a compiler does it in place)
+ROW_SCATTERS = {"index_put_": 2, "index_add_": 3, "_unsafe_index_put_": 2, "scatter_add_": 3, "index_put": 2,
+                "_unsafe_index_put": 2}
+# in-place ops that overwrite self without reading it
+OVERWRITES = {"copy_"}
 ALLOCATION_ONLY = {"new_empty", "new_empty_strided", "empty_like", "empty", "empty_strided"}
 METADATA = {"size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "dim", "is_contiguous",
             "storage_offset", "sym_storage_offset", "is_strides_like_format", "is_non_overlapping_and_dense",
@@ -147,10 +167,15 @@ class Op:
     writes: list  # [(storage serial, bytes written, fresh storage?, storage bytes)]
     sent: float = 0.0  # bytes this rank sends (collectives)
     shape: str = ""  # dtype and shape of its largest output, to tell ops of one name apart
+    fusable: bool = False  # a pointwise/reduction op a compiler may fuse with its neighbours
 
 
 def _view_bytes(t):
     return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+def _view_key(t):
+    return id(t.untyped_storage()), t.storage_offset(), tuple(t.shape), tuple(t.stride())
 
 
 class Ledger(LiveMemory):
@@ -160,6 +185,9 @@ class Ledger(LiveMemory):
     def __init__(self, world_size):
         super().__init__()
         self.world_size, self.phase, self.ops = world_size, "forward", []
+        # storages of host (CPU) tensors in a GPU run: ops that read only these are host work (no kernel, no HBM)
+        # and their outputs are host tensors too
+        self.host = weakref.WeakValueDictionary()
         self.flop_registry = FlopCounterMode(display=False).flop_registry
         self._keys, self._next_serial = {}, 0
         self.produced, self.consumers, self.died_in = {}, collections.defaultdict(list), {}
@@ -192,23 +220,33 @@ class Ledger(LiveMemory):
             return out
         tensors_in = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         tensors_out = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if tensors_in and all(id(t.untyped_storage()) in self.host for t in tensors_in):
+            for t in tensors_out:
+                self.host[id(t.untyped_storage())] = t.untyped_storage()
+            return out
         in_storages = {id(t.untyped_storage()) for t in tensors_in}
         writes_input = any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
         aliased = tensors_out and all(id(t.untyped_storage()) in in_storages for t in tensors_out)
         if aliased and not writes_input and func.namespace not in COLLECTIVE_NAMESPACES:
             return out  # a view (or a `to` that returned its input): no data moves
         kind = self._kind(func, name, tensors_in)
+        mutated = self._mutated_arguments(func, args, kwargs)
+        write_only = {_view_key(t) for t, read_too in mutated if not read_too}
+        returned = {_view_key(t) for t in tensors_out}
+        tensors_out += [t for t, _ in mutated if _view_key(t) not in returned]
+        touched = self._touched_rows(name, args, tensors_out)  # {view key: bytes} of indexed ops' tables
         reads, seen = [], set()
         for t in [] if name in SHAPE_ONLY else tensors_in:
             s = self.serial(t.untyped_storage())
-            if s not in seen:
+            if s not in seen and _view_key(t) not in write_only:
                 seen.add(s)
-                reads.append((s, _view_bytes(t)))
+                reads.append((s, touched.get(_view_key(t), _view_bytes(t))))
         writes = []
         for t in tensors_out:
             fresh = id(t.untyped_storage()) not in in_storages
             s = self.serial(t.untyped_storage())
             size = 0 if name in ALLOCATION_ONLY else t.untyped_storage().nbytes() if fresh else _view_bytes(t)
+            size = touched.get(_view_key(t), size)
             writes.append((s, size, fresh, t.untyped_storage().nbytes()))
             if fresh:
                 self.produced[s] = len(self.ops)
@@ -219,11 +257,41 @@ class Ledger(LiveMemory):
             flops = self.flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
         largest = max(tensors_out, key=lambda t: t.numel(), default=None)
         shape = "" if largest is None else f"{str(largest.dtype).replace('torch.', '')}{list(largest.shape)}"
-        op = Op(name, kind, self.phase, int(flops), reads, writes, shape=shape)
+        fusable = (kind == "pointwise/reduction" and name not in UNFUSABLE
+                   and func.namespace not in ("step_cost", reference_step.NAMESPACE))
+        op = Op(name, kind, self.phase, int(flops), reads, writes, shape=shape, fusable=fusable)
         if kind == "collectives":
             op.sent = self._sent_bytes(name, tensors_in)
         self.ops.append(op)
         return out
+
+    @staticmethod
+    def _touched_rows(name, args, tensors_out):
+        """A gather reads of its table the bytes it outputs; a row scatter reads and writes of self the bytes of
+        the rows it adds."""
+        if name in GATHERS and isinstance(args[0], torch.Tensor) and tensors_out:
+            return {_view_key(args[0]): min(_view_bytes(args[0]), _view_bytes(tensors_out[0]))}
+        position = ROW_SCATTERS.get(name)
+        if position is not None and len(args) > position and isinstance(args[position], torch.Tensor):
+            rows = min(_view_bytes(args[0]), args[position].numel() * args[0].element_size())
+            return {_view_key(t): rows for t in [args[0], *tensors_out[:1]]}
+        return {}
+
+    @staticmethod
+    def _mutated_arguments(func, args, kwargs):
+        """[(tensor, read too?)] of the arguments an op writes: an `out=` argument, copy_'s destination and a
+        stand-in's outputs are written only; an in-place op's self is read and written."""
+        name, mutated = func._overloadpacket.__name__, []
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            if isinstance(value, torch.Tensor):
+                stand_in = func.namespace == reference_step.NAMESPACE
+                written_only = (argument.name == "out" or name in OVERWRITES
+                                or stand_in and argument.name not in reference_step.READ_AND_WRITTEN)
+                mutated.append((value, not written_only))
+        return mutated
 
     @staticmethod
     def _kind(func, name, tensors):
@@ -231,6 +299,8 @@ class Ledger(LiveMemory):
             return "collectives"
         if func.namespace == "step_cost":
             return "attention"
+        if func.namespace == reference_step.NAMESPACE:
+            return reference_step.stand_in_kind(name)
         if name in MATMULS:
             if name == "_scaled_mm":
                 return "matmul fp8"
@@ -248,6 +318,8 @@ class Ledger(LiveMemory):
             return full * (n - 1) / n
         if "allreduce" in name or "all_reduce" in name:
             return 2 * full * (n - 1) / n
+        if "alltoall" in name or "all_to_all" in name:  # (output, input, ...): the input leaves, less this rank's share
+            return tensors[1].numel() * tensors[1].element_size() * (n - 1) / n
         return 0.0
 
     def fused_away(self, serial):
@@ -258,8 +330,9 @@ class Ledger(LiveMemory):
             return False
         return all(self._fusable(self.ops[c]) for c in self.consumers[serial])
 
-    def _fusable(self, op):
-        return op.kind == "pointwise/reduction" and op.name not in UNFUSABLE
+    @staticmethod
+    def _fusable(op):
+        return op.fusable
 
     def op_bytes(self, op):
         """(bytes read, bytes written) of one op under ideal fusion."""
@@ -322,17 +395,22 @@ def trace_optimizer_step(model, optimizers, plan, ledger, traced=True):
 
 @dataclasses.dataclass
 class StageCost:
-    """Roofline seconds per class and phase of one step, and the traced ops' totals per class."""
+    """Seconds per class of one step (roofline, launch floor, collective latency), the traced ops' totals per
+    class, the kernels and collectives per step."""
     stage: int
     steps: int
     tokens: int
     flops: dict
     bytes: dict
-    seconds: dict  # class -> seconds (collectives: NVLink time)
+    seconds: dict  # class -> seconds (collectives: NCCL latency + NVLink time)
     compute: float
     memory: float
+    launch: float  # what the launch floor adds to kernels shorter than it
     comm: float
     optimizer_compute: float
+    kernels: float
+    collectives: float
+    latency: float  # the collectives' NCCL latency, within comm
     top: collections.Counter  # (phase, class, op, output) -> seconds per step
     ops: list = dataclasses.field(repr=False)  # [(Op, times per step)]
 
@@ -342,21 +420,64 @@ class StageCost:
 
     @property
     def step_seconds(self):
-        return self.compute + self.memory + self.exposed_comm
+        return self.compute + self.memory + self.launch + self.exposed_comm
+
+
+def nccl_latency(name, world_size, peaks):
+    """NCCL's latency of a collective over a ring of world_size ranks (GPU_PEAKS' nccl_base and nccl_hop)."""
+    if world_size < 2:
+        return 0.0
+    steps = 2 * (world_size - 1) if "allreduce" in name or "all_reduce" in name else world_size - 1
+    return peaks["nccl_base"] + steps * peaks["nccl_hop"]
+
+
+def kernels_of(ledger, ops):
+    """The kernels `ops` (a slice of ledger.ops) run under ideal fusion: lists of ops, fusable ops joined to
+    those that made or read a storage fusion keeps in registers; collectives and ops that move no bytes and do
+    no FLOPs (allocations) run none."""
+    index = {id(op): i for i, op in enumerate(ops)}
+    position = {i: index.get(id(op)) for i, op in enumerate(ledger.ops) if id(op) in index}
+    parent = list(range(len(ops)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, op in enumerate(ops):
+        if not op.fusable:
+            continue
+        for s, _ in op.reads:
+            made_by = position.get(ledger.produced.get(s))
+            if made_by is not None and ledger.fused_away(s):
+                parent[root(i)] = root(made_by)
+    groups = collections.defaultdict(list)
+    for i, op in enumerate(ops):
+        if op.kind != "collectives":
+            groups[root(i)].append(op)
+    return [group for group in groups.values()
+            if any(op.flops or sum(ledger.op_bytes(op)) for op in group)]
 
 
 def cost_of(ledger, ops, peaks, weight=1.0, into=None):
-    """Accumulate ops' FLOPs, bytes and roofline seconds (times `weight`) into a dict of totals."""
+    """Accumulate ops' FLOPs, bytes and seconds (times `weight`) into a dict of totals: each op its roofline
+    time, each kernel (kernels_of) at least the launch floor, each collective NCCL's latency + NVLink time."""
     totals = into or dict(flops=collections.Counter(), bytes=collections.Counter(), seconds=collections.Counter(),
-                          compute=0.0, memory=0.0, comm=0.0, optimizer_compute=0.0, top=collections.Counter(), ops=[])
+                          compute=0.0, memory=0.0, launch=0.0, comm=0.0, optimizer_compute=0.0, kernels=0.0,
+                          collectives=0.0, latency=0.0, top=collections.Counter(), ops=[])
+    op_seconds = {}
     for op in ops:
         totals["ops"].append((op, weight))
         read, written = ledger.op_bytes(op)
         totals["flops"][op.kind] += weight * op.flops
         totals["bytes"][op.kind] += weight * (read + written)
         if op.kind == "collectives":
-            seconds = op.sent / peaks["nvlink"]
+            latency = nccl_latency(op.name, ledger.world_size, peaks)
+            seconds = latency + op.sent / peaks["nvlink"]
             totals["comm"] += weight * seconds
+            totals["latency"] += weight * latency
+            totals["collectives"] += weight
         else:
             rate = peaks[op.kind.split()[1]] if op.kind.startswith("matmul") else peaks["bf16"]
             flop_s, byte_s = op.flops / rate, (read + written) / peaks["hbm"]
@@ -364,8 +485,19 @@ def cost_of(ledger, ops, peaks, weight=1.0, into=None):
             totals["compute" if flop_s >= byte_s else "memory"] += weight * seconds
             if op.phase == "optimizer":
                 totals["optimizer_compute"] += weight * seconds
+        op_seconds[id(op)] = seconds
         totals["seconds"][op.kind] += weight * seconds
         totals["top"][op.phase, op.kind, op.name, op.shape] += weight * seconds
+    for kernel in kernels_of(ledger, ops):
+        totals["kernels"] += weight
+        short = peaks["launch"] - sum(op_seconds[id(op)] for op in kernel)
+        if short > 0:
+            first = max(kernel, key=lambda op: op_seconds[id(op)])
+            totals["launch"] += weight * short
+            totals["seconds"][first.kind] += weight * short
+            totals["top"][first.phase, first.kind, first.name, first.shape] += weight * short
+            if first.phase == "optimizer":
+                totals["optimizer_compute"] += weight * short
     return totals
 
 
@@ -386,13 +518,16 @@ def stage_costs(hp, world_size, peaks, stages=range(4)):
             length = tg.padded_piece_length(tokens, tg.piece_cap(hp), plans[first].max_seq_len)
             # pieces of whole documents: at least ceil(tokens / N) of them (how many more depends on the data)
             count = 1 if length == tokens else -(-tokens // hp.micro_batch_tokens)
-            start = len(ledger.ops)
-            trace_piece(hp, model, fake, ledger, length, plans[first])
-            totals = cost_of(ledger, ledger.ops[start:], peaks, accum * count, None)
-            odd_steps = sum(plan.adam_step for plan in plans[first:following])
             if optimizers[1].tied and schedule.untie_step is not None and schedule.untie_step < following:
                 optimizers[1].untie()
-            for step, share in ((first | 1, odd_steps), ((first | 1) + 1, following - first - odd_steps)):
+            # an even step (DistAdam's gradients start) and an odd one (they accumulate, DistAdam steps)
+            even = first + first % 2
+            odd_steps = sum(plan.adam_step for plan in plans[first:following])
+            totals = None
+            for step, share in ((even, following - first - odd_steps), (even + 1, odd_steps)):
+                start = len(ledger.ops)
+                trace_piece(hp, model, fake, ledger, length, schedule.at(step))
+                totals = cost_of(ledger, ledger.ops[start:], peaks, accum * count * share / (following - first), totals)
                 start = len(ledger.ops)
                 trace_optimizer_step(model, optimizers, schedule.at(step), ledger)
                 totals = cost_of(ledger, ledger.ops[start:], peaks, share / (following - first), totals)
@@ -400,15 +535,65 @@ def stage_costs(hp, world_size, peaks, stages=range(4)):
     return costs, ledger
 
 
+def reference_stage_costs(log_path, world_size, peaks, stages=range(4), tokens_per_rank=None):
+    """StageCost of each of `stages` of the reference's own step (tools/reference_step.py), traced as ours is:
+    rank 0 of world_size on fake tensors, each stage's even step (no Adam) and odd step (Adam, its gradients
+    summed over both steps) weighed by their counts. tokens_per_rank replaces the stages' batches (tests)."""
+    fake, ledger = FakeTensorMode(), Ledger(world_size)
+    costs = []
+    with fake_world(world_size), fake, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecation notices of the reference's collectives
+        reference = reference_step.Reference(log_path, world_size, attention_op)
+        model, manager = reference.build()
+        for t in [*model.parameters(), *model.buffers()]:
+            ledger.track(t)
+        for t in reference.host_tensors(manager):
+            ledger.host[id(t.untyped_storage())] = t.untyped_storage()
+        schedule, accum = reference.module.training_schedule, reference.module.grad_accum_steps
+        for stage in stages:
+            first, following = schedule.boundaries[stage]
+            tokens = tokens_per_rank or schedule.stages[stage].batch_size // (world_size * accum)
+            if schedule.split_step < following and not manager.optimizer.split_embed:
+                manager.optimizer.copy_lm_state_to_embed()  # the untie, once, untraced
+            even, odd = reference.traced_steps(manager, first, following)
+            odd_steps = sum(step % 2 for step in range(first, following))
+            totals = None
+            for step, share in ((even, following - first - odd_steps), (odd, odd_steps)):
+                start = len(ledger.ops)
+                try:
+                    reference.step(model, manager, step, tokens, ledger)
+                except NameError as e:
+                    raise reference_step.LogError(f"the reference calls {e.name}, which has no stand-in") from e
+                totals = cost_of(ledger, ledger.ops[start:], peaks, share / (following - first), totals)
+            costs.append(StageCost(stage, following - first, tokens * world_size * accum, **totals))
+    return costs, ledger
+
+
+def header(world_size, peaks):
+    return [f"step-cost ledger: rank 0 of {world_size}, GPU path (FP8 head and MLP, fused attention), "
+            f"{peaks['name']} peaks (fp8 {peaks['fp8'] / 1e12:g}, bf16 {peaks['bf16'] / 1e12:g}, "
+            f"tf32 {peaks['tf32'] / 1e12:g}, fp32 {peaks['fp32'] / 1e12:g} TFLOP/s; HBM {peaks['hbm'] / 1e12:g} TB/s; "
+            f"NVLink {peaks['nvlink'] / 1e9:g} GB/s per direction; {peaks['memory_gb']} GB)",
+            f"a model: ideal fusion (pointwise chains stay in registers), each kernel at least "
+            f"{peaks['launch'] * 1e6:g} us, each collective NCCL's latency ({peaks['nccl_base'] * 1e6:g} us + "
+            f"{peaks['nccl_hop'] * 1e6:g} us per ring step) + its bytes over NVLink, collectives hidden behind the "
+            "optimizer step's compute"]
+
+
+def step_line(c):
+    return (f"{c.step_seconds * 1e3:.1f} (compute {c.compute * 1e3:.1f}, memory {c.memory * 1e3:.1f}, launch floor "
+            f"{c.launch * 1e3:.1f}, exposed comm {c.exposed_comm * 1e3:.1f}; {c.kernels:,.0f} kernels, "
+            f"{c.collectives:,.0f} collectives)")
+
+
+def train_seconds(costs):
+    return sum(c.steps * c.step_seconds for c in costs)
+
+
 def report(hp, world_size, gpu, top=12):
     peaks = GPU_PEAKS[gpu]
     costs, _ = stage_costs(hp, world_size, peaks)
-    lines = [f"step-cost ledger: rank 0 of {world_size}, GPU path (FP8 head and MLP, fused attention), "
-             f"{peaks['name']} peaks (fp8 {peaks['fp8'] / 1e12:g}, bf16 {peaks['bf16'] / 1e12:g}, "
-             f"tf32 {peaks['tf32'] / 1e12:g}, fp32 {peaks['fp32'] / 1e12:g} TFLOP/s; HBM {peaks['hbm'] / 1e12:g} TB/s; "
-             f"NVLink {peaks['nvlink'] / 1e9:g} GB/s per direction; {peaks['memory_gb']} GB)",
-             "a bound: ideal fusion (pointwise chains stay in registers), ideal overlap of the collectives with the "
-             "optimizer step, no launch overheads"]
+    lines = header(world_size, peaks)
     for c in costs:
         matmul = sum(c.flops[k] for k in CLASSES if k.startswith("matmul"))
         lines.append(f"stage {c.stage + 1} ({c.steps} steps, {c.tokens:,} tokens/step):")
@@ -421,39 +606,139 @@ def report(hp, world_size, gpu, top=12):
             lines.append(f"  the {top} largest items (summed over ops of one kind and output shape):")
             for (phase, kind, name, shape), seconds in c.top.most_common(top):
                 lines.append(f"    {seconds * 1e3:7.2f} ms  {phase:<9} {kind:<20} {name} -> {shape}")
-    total = 0.0
     for c in costs:
-        ms = c.step_seconds * 1e3
-        ref = REFERENCE_MS_PER_STAGE[c.stage] if c.stage < len(REFERENCE_MS_PER_STAGE) else None
-        vs = f"; reference measured {ref} ms/step, ratio measured/predicted {ref / ms:.2f}" if ref else ""
-        lines.append(f"stage {c.stage + 1}: predicted ms/step {ms:.1f} (compute {c.compute * 1e3:.1f}, "
-                     f"memory {c.memory * 1e3:.1f}, exposed comm {c.exposed_comm * 1e3:.1f}){vs}")
-        total += c.steps * c.step_seconds
+        lines.append(f"stage {c.stage + 1}: predicted ms/step {step_line(c)}")
     steps = sum(c.steps for c in costs)
-    lines.append(f"predicted train time ({steps:,} steps): {total:.1f} s")
+    lines.append(f"predicted train time ({steps:,} steps): {train_seconds(costs):.1f} s")
     return lines
 
 
+def canonical_shape(shape):
+    """'bfloat16[1, 3072, 768]' -> 'bfloat16[3072, 768]': leading 1s dropped, so that a bmm of one matrix and
+    an mm, or a (1, T, D) and a (T, D) pointwise result, are one item."""
+    dtype, _, dims = shape.partition("[")
+    dims = dims.rstrip("]").split(", ") if dims.rstrip("]") else []
+    while len(dims) > 1 and dims[0] == "1":
+        dims = dims[1:]
+    return f"{dtype}[{', '.join(dims)}]" if shape else shape
+
+
+def items(cost):
+    """{(phase, class, output): (ms/step, op names)} of a StageCost's items, outputs canonical."""
+    merged = {}
+    for (phase, kind, name, shape), seconds in cost.top.items():
+        key = phase, kind, canonical_shape(shape)
+        total, names = merged.get(key, (0.0, ()))
+        merged[key] = total + seconds, tuple(sorted(set(names) | {name}))
+    return merged
+
+
+def differences(ours, reference, top):
+    """The `top` items (phase, class, output) whose seconds/step differ most between the two steps, as
+    (ours - reference, key, (ours seconds, names), (reference seconds, names))."""
+    mine, theirs = items(ours), items(reference)
+    rows = [(mine.get(k, (0.0, ()))[0] - theirs.get(k, (0.0, ()))[0], k, mine.get(k, (0.0, ())),
+             theirs.get(k, (0.0, ()))) for k in set(mine) | set(theirs)]
+    return sorted(rows, key=lambda row: -abs(row[0]))[:top]
+
+
+def side_by_side(hp, world_size, gpu, log_path, top=12):
+    peaks = GPU_PEAKS[gpu]
+    ours, _ = stage_costs(hp, world_size, peaks)
+    reference, _ = reference_stage_costs(log_path, world_size, peaks)
+    lines = header(world_size, peaks)
+    lines.append(f"reference: {os.path.basename(log_path)}'s train_gpt.py and triton_kernels.py, traced the same way")
+    for o, r in zip(ours, reference):
+        lines.append(f"stage {o.stage + 1} (ours {o.steps} steps of {o.tokens:,} tokens, reference {r.steps} steps of "
+                     f"{r.tokens:,} tokens):")
+        lines.append(f"  {'class':<22}{'GFLOP ours':>12}{'GFLOP reference':>17}{'GB ours':>10}{'GB reference':>14}"
+                     f"{'ms ours':>10}{'ms reference':>14}")
+        for k in CLASSES:
+            lines.append(f"  {k:<22}{o.flops[k] / 1e9:12,.1f}{r.flops[k] / 1e9:17,.1f}{o.bytes[k] / 1e9:10,.2f}"
+                         f"{r.bytes[k] / 1e9:14,.2f}{o.seconds[k] * 1e3:10.2f}{r.seconds[k] * 1e3:14.2f}")
+        lines.append(f"  ours:      {step_line(o)}")
+        lines.append(f"  reference: {step_line(r)}")
+        lines.append(f"stage {o.stage + 1}: predicted ms/step ours {o.step_seconds * 1e3:.1f}, reference "
+                     f"{r.step_seconds * 1e3:.1f}, ratio {o.step_seconds / r.step_seconds:.2f}")
+        if top and o.stage == 2:
+            lines.append(f"stage 3: the {top} items (phase, class, largest output; the ops of each side) whose "
+                         "ms/step differ most, ours - reference:")
+            for difference, (phase, kind, shape), (mine, my_ops), (theirs, their_ops) in differences(o, r, top):
+                lines.append(f"  {difference * 1e3:+7.2f} ms (ours {mine * 1e3:6.2f}, reference {theirs * 1e3:6.2f})  "
+                             f"{phase:<9} {kind:<20} {shape}  ours: {' '.join(my_ops) or '-'}; reference: "
+                             f"{' '.join(their_ops) or '-'}")
+    ours_s, reference_s = train_seconds(ours), train_seconds(reference)
+    ratio = ours_s / reference_s
+    lines.append(f"predicted train time: ours {ours_s:.1f} s, reference {reference_s:.1f} s, ratio {ratio:.3f}; at the "
+                 f"reference's measured {REFERENCE_TRAIN_SECONDS} s: {ratio:.3f} × {REFERENCE_TRAIN_SECONDS} = "
+                 f"{ratio * REFERENCE_TRAIN_SECONDS:.1f} s")
+    return lines
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block), as train_gpt.py's."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def non_negative(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def default_world_size(parser):
+    """$WORLD_SIZE when set (as torchrun sets it), else 8."""
+    text = os.environ.get("WORLD_SIZE")
+    if text is None:
+        return 8
+    if not text.isdigit() or int(text) < 1:
+        parser.error(f"WORLD_SIZE={text!r} is not a positive integer: unset it or pass --world_size N")
+    return int(text)
+
+
 def parse(argv):
-    parser = argparse.ArgumentParser(prog="step_cost.py", description=__doc__.split("\n")[0],
-                                     epilog="Other flags are train_gpt.py's (the run whose step is traced).")
-    parser.add_argument("--world_size", type=int, default=8, help="processes of the run (default 8)")
+    parser = ArgumentParser(prog="step_cost.py", description=__doc__.split("\n")[0],
+                            epilog="Other flags are train_gpt.py's (the run whose step is traced).")
+    parser.add_argument("--world_size", type=int, default=None,
+                        help="processes of the run (default $WORLD_SIZE, else 8)")
     parser.add_argument("--gpu", choices=sorted(GPU_PEAKS), default="h100", help="whose peaks (default h100)")
-    parser.add_argument("--top", type=int, default=12, help="list this many of stage 3's largest items (default 12)")
+    parser.add_argument("--top", type=non_negative, default=12,
+                        help="list this many of stage 3's largest items or differences (default 12)")
+    parser.add_argument("--reference", metavar="LOG", default=None,
+                        help="a modded-nanogpt record log: trace its own step too and print both side by side")
     args, rest = parser.parse_known_args(argv)
+    if args.world_size is None:
+        args.world_size = default_world_size(parser)
     if args.world_size < 1:
         parser.error(f"--world_size must be at least 1, got {args.world_size}")
+    if args.reference is not None and not os.path.isfile(args.reference):
+        parser.error(f"--reference {args.reference}: no such file (a modded-nanogpt record log)")
+    trainer = tg.build_arg_parser(prog=parser.prog)
     try:
-        hp = tg.parse_args(rest)
+        hp = tg.hyperparameters_from(trainer.parse_args(rest))
         tg.check_batch_splits(hp, args.world_size, tg.grad_accum_steps(hp, args.world_size))
     except tg.ConfigError as e:
         parser.error(str(e))
+    if hp.bigram_prior:
+        parser.error(f"--bigram_prior {hp.bigram_prior:g} (--preset cpu sets it): the prior exists on the CPU path "
+                     "only and the ledger traces the GPU path (the trainer refuses it on a GPU): add --bigram_prior 0")
     return args, hp
 
 
 def main(argv=None):
     args, hp = parse(sys.argv[1:] if argv is None else argv)
-    for line in report(hp, args.world_size, args.gpu, args.top):
+    try:
+        if args.reference is None:
+            lines = report(hp, args.world_size, args.gpu, args.top)
+        else:
+            lines = side_by_side(hp, args.world_size, args.gpu, args.reference, args.top)
+    except reference_step.LogError as e:
+        print(f"step_cost.py: error: --reference {args.reference}: {e}", file=sys.stderr)
+        sys.exit(2)
+    for line in lines:
         print(line, flush=True)
 
 
