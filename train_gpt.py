@@ -2661,10 +2661,19 @@ def adam_update_(exp_avg, exp_avg_sq, grad, weight, beta1, beta2, eps, step_size
     return weight.sub_(update)
 
 
+# DistAdam's parameters up to this many elements share their collectives (a bucket per dtype): at 8 GPUs a
+# collective costs a launch and NCCL's latency however small it is, and recipe 89 has 25 such parameters of at
+# most 98,304 elements (gates, lambdas, scalars, MUDD networks) beside 8 tables of 38.6M elements or more,
+# which travel alone (a bucket would copy them).
+ADAM_BUCKET_NUMEL = 1 << 20
+
+
 class DistAdam(ScheduledOptimizer):
     """ZeRO-1 Adam: each rank keeps the fp32 moments of its slice of dim 0 of every parameter. A first dimension that does not divide by the world size is padded with zero rows in the
     communication buffers and the moments (the parameter keeps its shape). step() starts every
-    parameter's reduce-scatter (AVG), then per parameter waits, updates its slice and all-gathers it.
+    parameter's reduce-scatter (AVG), then per parameter waits, updates its slice and all-gathers it; the
+    parameters up to ADAM_BUCKET_NUMEL elements travel together, one bucket per dtype (one reduce-scatter and
+    one all-gather for all of them: each element is reduced as it would be alone).
     A parameter's own betas (tag) replace `betas`. Cautious decay where update x weight > 0. `tie` = (head, embedding): until untie(), the embedding's gradient joins the
     head's, and the embedding is a copy of the updated head.
     """
@@ -2704,13 +2713,45 @@ class DistAdam(ScheduledOptimizer):
         rows = t.shape[0] // self.world_size
         return t[self.rank * rows: (self.rank + 1) * rows]
 
-    def _reduce(self, p):
-        """Start the reduce-scatter (AVG) of p's gradient: (this rank's rows, handle); alone: (p.grad, None)."""
+    def _units(self):
+        """The stepping groups as they communicate: a large parameter alone, and per dtype one bucket of all the
+        parameters up to ADAM_BUCKET_NUMEL elements, where its first member is (the same order on every rank)."""
+        units, buckets = [], {}
+        for group in self._stepping_groups():
+            p = group["params"][0]
+            if p.numel() > ADAM_BUCKET_NUMEL:
+                units.append([group])
+            elif p.dtype in buckets:
+                buckets[p.dtype].append(group)
+            else:
+                buckets[p.dtype] = [group]
+                units.append(buckets[p.dtype])
+        return units
+
+    def _reduce(self, unit):
+        """Start the reduce-scatter (AVG) of a unit's gradients in one collective: (this rank's rows of each,
+        handle); alone: (the gradients, None). Each gradient, padded, is (world size, its slice) laid side by side
+        with the others' (a view, for a parameter alone), so that rank r receives every parameter's slice r."""
+        params = [group["params"][0] for group in unit]
         if self.world_size == 1:
-            return p.grad, None
-        grad = self._padded(p.grad.contiguous())
-        local = grad.new_empty(grad.shape[0] // self.world_size, *grad.shape[1:])
-        return local, dist.reduce_scatter_tensor(local, grad, op=dist.ReduceOp.AVG, async_op=True)
+            return [p.grad for p in params], None
+        views = [self._padded(p.grad.contiguous()).view(self.world_size, -1) for p in params]
+        flat = views[0] if len(views) == 1 else torch.cat(views, dim=1)
+        local = flat.new_empty(flat.shape[1])
+        handle = dist.reduce_scatter_tensor(local, flat.view(-1), op=dist.ReduceOp.AVG, async_op=True)
+        slices = local.split([v.shape[1] for v in views])
+        return [s.view(-1, *p.shape[1:]) for s, p in zip(slices, params)], handle
+
+    def _gather(self, unit, shards):
+        """Start the all-gather of a unit's updated slices in one collective: (params, output, handle). A
+        parameter alone whose rows divide by the world size is gathered in place."""
+        params = [group["params"][0] for group in unit]
+        if len(params) == 1 and params[0].shape[0] % self.world_size == 0:
+            p = params[0]
+            return params, p, dist.all_gather_into_tensor(p, shards[0], async_op=True)
+        local = shards[0].reshape(-1) if len(shards) == 1 else torch.cat([s.reshape(-1) for s in shards])
+        full = local.new_empty(self.world_size * local.numel())
+        return params, full, dist.all_gather_into_tensor(full, local, async_op=True)
 
     def _stepping_groups(self):
         """The groups this step updates (a tied embedding follows the head instead)."""
@@ -2721,34 +2762,39 @@ class DistAdam(ScheduledOptimizer):
         if self.tied:
             head, embed = self.tie
             head.grad += embed.grad
-        self._pending = [self._reduce(group["params"][0]) for group in self._stepping_groups()]
+        self._pending = [(unit, *self._reduce(unit)) for unit in self._units()]
 
     @torch.no_grad()
     def update(self):
         if self._pending is None:
             self.reduce_grads()
         pending, self._pending = self._pending, None
-        gathers = self._gathers
-        for group, (grad, handle) in zip(self._stepping_groups(), pending):
-            p = group["params"][0]
+        for unit, grads, handle in pending:
             if handle is not None:
                 handle.wait()
-            weights = self._padded(p)
-            shard = self._slice(weights)
-            new_shard = self._adam_update(group, grad.float(), shard.to(torch.float32, copy=True), p)
-            if self.world_size == 1:
-                shard.copy_(new_shard)
-                continue
-            full = p if weights is p else torch.empty_like(weights)
-            gathers.append((p, full, dist.all_gather_into_tensor(full, new_shard.to(p.dtype), async_op=True)))
+            shards = []
+            for group, grad in zip(unit, grads):
+                p = group["params"][0]
+                shard = self._slice(self._padded(p))
+                new_shard = self._adam_update(group, grad.float(), shard.to(torch.float32, copy=True), p)
+                if self.world_size == 1:
+                    shard.copy_(new_shard)
+                else:
+                    shards.append(new_shard.to(p.dtype))
+            if shards:
+                self._gathers.append(self._gather(unit, shards))
 
     @torch.no_grad()
     def finish(self):
         gathers, self._gathers = self._gathers, []
-        for p, full, handle in gathers:
+        for params, full, handle in gathers:
             handle.wait()
-            if full is not p:
-                p.copy_(full[: p.shape[0]])
+            if full is params[0]:
+                continue
+            parts = full.view(self.world_size, -1).split([-(-p.shape[0] // self.world_size) * p[0].numel()
+                                                          for p in params], dim=1)
+            for p, part in zip(params, parts):
+                p.copy_(part.reshape(-1, *p.shape[1:])[: p.shape[0]])
         if self.tied:
             head, embed = self.tie
             embed.copy_(head)
