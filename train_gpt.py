@@ -1591,6 +1591,7 @@ class GPT(nn.Module):
 # Head and losses: the FP8 head op, softcapped multi-token loss (fused in FP8), the FP8 MLP
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
+E5M2_MAX = 57344.0  # the largest finite float8_e5m2 value
 
 
 def head_fp8_scales(amax, grad_divisor=1):
@@ -1768,39 +1769,46 @@ def softcap_loss_sums(logits, targets, n_horizons, softcap, start, stop, masks=N
     return sums
 
 
-def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total, masks=None):
-    """d loss / d logits of the rows [start, stop) in the logits' dtype, computed as autograd computes it
-    through softcapped and the loss: dz = p sum_k w_k - sum_k w_k onehot(t + k), then the softcap's scale
-    (and the bf16 cast of a rounded sigmoid), the sigmoid's slope s (1 - s) (s unrounded), 1 / SOFTCAP_WIDTH;
-    with a piece's horizon_masks, only the terms they mark."""
+def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total, grad_s, masks=None):
+    """d loss / d logits of the rows [start, stop), divided by grad_s and cast to e5m2, in the order of rounding
+    of record #89's loss kernel: the sigmoid s (rounded to bf16 with a rounded sigmoid, and that stored value
+    used everywhere after), z = scale s, p = exp(z - lse) with lse = max + log(sum exp(z - max)),
+    dz = p sum_k w_k - sum_k w_k onehot(t + k), then (grad_total (scale / SOFTCAP_WIDTH) / grad_s) dz s (1 - s)
+    in fp32, left to right, and one saturating cast to e5m2; with a piece's horizon_masks, only the terms they
+    mark. (The kernel's fast-math sigmoid, exp and log round differently in the last fp32 bits.)"""
     z = logits[start:stop].float()
     if softcap.offset:
         z = z + softcap.offset
     s = torch.sigmoid(z / SOFTCAP_WIDTH)
-    capped = softcap.scale * (s.bfloat16().float() if softcap.round_sigmoid else s)
-    probs = torch.softmax(capped, dim=-1)
+    if softcap.round_sigmoid:
+        s = s.bfloat16().float()
+    capped = softcap.scale * s
+    top = capped.amax(dim=-1, keepdim=True)
+    lse = top + torch.exp(capped - top).sum(dim=-1, keepdim=True).log()
+    probs = torch.exp(capped - lse)
     horizons = horizon_rows(weights.numel(), start, stop, logits.size(0))
     row = torch.arange(stop - start, device=logits.device)
     counted = [(k, rows, row < rows if masks is None else (row < rows) & masks[k, start:stop]) for k, rows in horizons]
     count = sum(torch.where(counts, weights[k], 0.0) for k, _, counts in counted)
-    dz = probs * count[:, None]
     column = torch.arange(logits.size(1), device=logits.device)
+    hot = 0.0  # the targets' weights summed per column (a target of several horizons once), then subtracted once
     for k, rows, counts in counted:  # the one-hot targets as a comparison, so that the whole chain fuses pointwise
         target = F.pad(targets[start + k: start + k + rows], (0, stop - start - rows), value=-1)
         target = torch.where(counts, target, -1)
-        dz = dz - torch.where(column == target[:, None], weights[k], 0.0)
-    grad = (dz * grad_total) * softcap.scale
-    if softcap.round_sigmoid:  # the gradient passes the sigmoid's bf16 rounding as a bf16 cast
-        grad = grad.bfloat16().float()
-    return (grad * (1 - s) * s / SOFTCAP_WIDTH).to(logits.dtype)
+        hot = hot + torch.where(column == target[:, None], weights[k], 0.0)
+    dz = probs * count[:, None] - hot
+    fp32 = functools.partial(logits.new_tensor, dtype=torch.float32)  # the kernel's constant, each step in fp32
+    factor = grad_total.float() * (fp32(1 / SOFTCAP_WIDTH) * softcap.scale) * fp32(grad_s).reciprocal()
+    return (factor * dz * s * (1 - s)).clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)  # saturating, as the kernel
 
 
 class FP8SoftcapLoss(torch.autograd.Function):
     """The FP8 head and its softcapped (multi-token) loss in one op, summed over tokens: the forward keeps
     only the bf16 logits (the loss runs over FUSED_LOSS_ROWS rows at a time); the backward writes the
     logits' gradient once, as the e5m2 tensor the FP8 backward multiplies (column-major, as grad_w's
-    _scaled_mm takes it), computing it and grad_x one row block at a time. Same loss and gradients as
-    autograd through head_matmul, softcapped and multi_token_loss, to fp32 rounding."""
+    _scaled_mm takes it), computing it and grad_x one row block at a time. Same loss as autograd through
+    head_matmul, softcapped and multi_token_loss, to fp32 rounding; the logits' gradient rounds in record #89's
+    kernel's order (softcap_loss_grad), which differs from autograd's in about 2 % of the e5m2 entries."""
 
     @staticmethod
     def forward(ctx, x, w, targets, weights, fp8_scales, softcap, masks):
@@ -1829,8 +1837,7 @@ class FP8SoftcapLoss(torch.autograd.Function):
         scale = functools.partial(logits.new_tensor, dtype=torch.float32)
         for start in range(0, n, FUSED_LOSS_ROWS):
             stop = min(n, start + FUSED_LOSS_ROWS)
-            g = softcap_loss_grad(logits, targets, weights, ctx.softcap, start, stop, grad_total, masks)
-            g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+            g_f8 = softcap_loss_grad(logits, targets, weights, ctx.softcap, start, stop, grad_total, grad_s, masks)
             grad_x[start:stop] = torch._scaled_mm(g_f8, w_col, out_dtype=torch.bfloat16, scale_a=scale(grad_s),
                                                   scale_b=scale(w_s), use_fast_accum=False)
             grad_t[:, start:stop] = g_f8.T
@@ -2654,10 +2661,19 @@ def adam_update_(exp_avg, exp_avg_sq, grad, weight, beta1, beta2, eps, step_size
     return weight.sub_(update)
 
 
+# DistAdam's parameters up to this many elements share their collectives (a bucket per dtype): at 8 GPUs a
+# collective costs a launch and NCCL's latency however small it is, and recipe 89 has 25 such parameters of at
+# most 98,304 elements (gates, lambdas, scalars, MUDD networks) beside 8 tables of 38.6M elements or more,
+# which travel alone (a bucket would copy them).
+ADAM_BUCKET_NUMEL = 1 << 20
+
+
 class DistAdam(ScheduledOptimizer):
     """ZeRO-1 Adam: each rank keeps the fp32 moments of its slice of dim 0 of every parameter. A first dimension that does not divide by the world size is padded with zero rows in the
     communication buffers and the moments (the parameter keeps its shape). step() starts every
-    parameter's reduce-scatter (AVG), then per parameter waits, updates its slice and all-gathers it.
+    parameter's reduce-scatter (AVG), then per parameter waits, updates its slice and all-gathers it; the
+    parameters up to ADAM_BUCKET_NUMEL elements travel together, one bucket per dtype (one reduce-scatter and
+    one all-gather for all of them: each element is reduced as it would be alone).
     A parameter's own betas (tag) replace `betas`. Cautious decay where update x weight > 0. `tie` = (head, embedding): until untie(), the embedding's gradient joins the
     head's, and the embedding is a copy of the updated head.
     """
@@ -2697,13 +2713,45 @@ class DistAdam(ScheduledOptimizer):
         rows = t.shape[0] // self.world_size
         return t[self.rank * rows: (self.rank + 1) * rows]
 
-    def _reduce(self, p):
-        """Start the reduce-scatter (AVG) of p's gradient: (this rank's rows, handle); alone: (p.grad, None)."""
+    def _units(self):
+        """The stepping groups as they communicate: a large parameter alone, and per dtype one bucket of all the
+        parameters up to ADAM_BUCKET_NUMEL elements, where its first member is (the same order on every rank)."""
+        units, buckets = [], {}
+        for group in self._stepping_groups():
+            p = group["params"][0]
+            if p.numel() > ADAM_BUCKET_NUMEL:
+                units.append([group])
+            elif p.dtype in buckets:
+                buckets[p.dtype].append(group)
+            else:
+                buckets[p.dtype] = [group]
+                units.append(buckets[p.dtype])
+        return units
+
+    def _reduce(self, unit):
+        """Start the reduce-scatter (AVG) of a unit's gradients in one collective: (this rank's rows of each,
+        handle); alone: (the gradients, None). Each gradient, padded, is (world size, its slice) laid side by side
+        with the others' (a view, for a parameter alone), so that rank r receives every parameter's slice r."""
+        params = [group["params"][0] for group in unit]
         if self.world_size == 1:
-            return p.grad, None
-        grad = self._padded(p.grad.contiguous())
-        local = grad.new_empty(grad.shape[0] // self.world_size, *grad.shape[1:])
-        return local, dist.reduce_scatter_tensor(local, grad, op=dist.ReduceOp.AVG, async_op=True)
+            return [p.grad for p in params], None
+        views = [self._padded(p.grad.contiguous()).view(self.world_size, -1) for p in params]
+        flat = views[0] if len(views) == 1 else torch.cat(views, dim=1)
+        local = flat.new_empty(flat.shape[1])
+        handle = dist.reduce_scatter_tensor(local, flat.view(-1), op=dist.ReduceOp.AVG, async_op=True)
+        slices = local.split([v.shape[1] for v in views])
+        return [s.view(-1, *p.shape[1:]) for s, p in zip(slices, params)], handle
+
+    def _gather(self, unit, shards):
+        """Start the all-gather of a unit's updated slices in one collective: (params, output, handle). A
+        parameter alone whose rows divide by the world size is gathered in place."""
+        params = [group["params"][0] for group in unit]
+        if len(params) == 1 and params[0].shape[0] % self.world_size == 0:
+            p = params[0]
+            return params, p, dist.all_gather_into_tensor(p, shards[0], async_op=True)
+        local = shards[0].reshape(-1) if len(shards) == 1 else torch.cat([s.reshape(-1) for s in shards])
+        full = local.new_empty(self.world_size * local.numel())
+        return params, full, dist.all_gather_into_tensor(full, local, async_op=True)
 
     def _stepping_groups(self):
         """The groups this step updates (a tied embedding follows the head instead)."""
@@ -2714,34 +2762,39 @@ class DistAdam(ScheduledOptimizer):
         if self.tied:
             head, embed = self.tie
             head.grad += embed.grad
-        self._pending = [self._reduce(group["params"][0]) for group in self._stepping_groups()]
+        self._pending = [(unit, *self._reduce(unit)) for unit in self._units()]
 
     @torch.no_grad()
     def update(self):
         if self._pending is None:
             self.reduce_grads()
         pending, self._pending = self._pending, None
-        gathers = self._gathers
-        for group, (grad, handle) in zip(self._stepping_groups(), pending):
-            p = group["params"][0]
+        for unit, grads, handle in pending:
             if handle is not None:
                 handle.wait()
-            weights = self._padded(p)
-            shard = self._slice(weights)
-            new_shard = self._adam_update(group, grad.float(), shard.to(torch.float32, copy=True), p)
-            if self.world_size == 1:
-                shard.copy_(new_shard)
-                continue
-            full = p if weights is p else torch.empty_like(weights)
-            gathers.append((p, full, dist.all_gather_into_tensor(full, new_shard.to(p.dtype), async_op=True)))
+            shards = []
+            for group, grad in zip(unit, grads):
+                p = group["params"][0]
+                shard = self._slice(self._padded(p))
+                new_shard = self._adam_update(group, grad.float(), shard.to(torch.float32, copy=True), p)
+                if self.world_size == 1:
+                    shard.copy_(new_shard)
+                else:
+                    shards.append(new_shard.to(p.dtype))
+            if shards:
+                self._gathers.append(self._gather(unit, shards))
 
     @torch.no_grad()
     def finish(self):
         gathers, self._gathers = self._gathers, []
-        for p, full, handle in gathers:
+        for params, full, handle in gathers:
             handle.wait()
-            if full is not p:
-                p.copy_(full[: p.shape[0]])
+            if full is params[0]:
+                continue
+            parts = full.view(self.world_size, -1).split([-(-p.shape[0] // self.world_size) * p[0].numel()
+                                                          for p in params], dim=1)
+            for p, part in zip(params, parts):
+                p.copy_(part.reshape(-1, *p.shape[1:])[: p.shape[0]])
         if self.tied:
             head, embed = self.tie
             embed.copy_(head)

@@ -494,12 +494,76 @@ def test_backward_issues_no_collective_and_each_step_reduces_its_own_grads(two_p
         expected_phases += ["backward", "normuon"] + (["adam"] if step % 2 == 1 else [])
     assert [name for name, _ in log] == expected_phases
     n_groups = len(tg.stacked_groups(muon_params(), 2))
+    n_buckets = 1  # DistAdam's parameters, all of ADAM_BUCKET_NUMEL elements or fewer and fp32, in one bucket
+    assert all(p.numel() <= tg.ADAM_BUCKET_NUMEL and p.dtype == torch.float32 for p in adam_params())
     for name, calls in log:
         if name == "backward":
             assert calls == [], log
-        else:  # every reduce-scatter first, then one all-gather per group/parameter
-            n = n_groups if name == "normuon" else len(adam_params())
+        else:  # every reduce-scatter first, then one all-gather per group/bucket
+            n = n_groups if name == "normuon" else n_buckets
             assert calls == ["reduce_scatter_tensor"] * n + ["all_gather_into_tensor"] * n, (name, calls)
+
+
+def bucket_params():
+    """adam_params() (two tables of 256 elements, 11 scalars that do not divide by 2 ranks), a tied embedding,
+    and two small bf16 gates (5 rows: padded too)."""
+    g = torch.Generator().manual_seed(3)
+    gates = [tg.tag(nn.Parameter((torch.randn(shape, generator=g) * 0.3).bfloat16()), "gate") for shape in ((5, 3), (4,))]
+    return adam_params() + [_param(g, (32, 8), "embed")] + gates
+
+
+def _bucket_worker(rank, world_size, port, out_dir):
+    """DistAdam's steps with its small parameters in buckets (ADAM_BUCKET_NUMEL 100: the tables travel alone)
+    and with every parameter alone (0): the parameters after each, and the reduce-scatters each issued."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    try:
+        original, calls, result = dist.reduce_scatter_tensor, [], {}
+
+        def counting(*args, **kwargs):
+            calls.append(args[0].shape)
+            return original(*args, **kwargs)
+        dist.reduce_scatter_tensor = counting
+        for bucket_numel in (0, 100):
+            tg.ADAM_BUCKET_NUMEL = bucket_numel
+            params = bucket_params()
+            adam = tg.DistAdam(params, **ADAM_HP, tie=(params[0], params[3]))
+            calls.clear()
+            for step in range(4):
+                for i, p in enumerate(params):
+                    p.grad = rank_grad(rank, step, i, p.shape).to(p.dtype)
+                adam.step()
+                adam.zero_grad()
+                if step == 1:
+                    adam.untie()
+            result[bucket_numel] = (clone_all(params), len(calls), adam.state_dict())
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_bucketed_distadam_equals_one_collective_per_parameter():
+    """On 2 gloo processes (reduce_scatter_tensor with AVG, all_gather_into_tensor), DistAdam with its small
+    parameters bucketed by dtype gives bit-identical parameters to one collective per parameter (each element
+    is averaged over the same ranks, alone or in a bucket), tied and untied, with padded shards and bf16
+    parameters, and issues fewer reduce-scatters."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_bucket_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
+    start = bucket_params()
+    for result in results:
+        (alone, alone_calls, alone_state), (bucketed, bucketed_calls, bucketed_state) = result[0], result[100]
+        for a, b, p0 in zip(alone, bucketed, start):
+            assert not torch.equal(a, p0.detach()), p0.label
+            assert a.dtype == b.dtype == p0.dtype and torch.equal(a, b), p0.label
+        # the moments too: Adam's direction is blind to a gradient's scale (a sum in place of the average)
+        for a, b in zip(alone_state["groups"], bucketed_state["groups"]):
+            assert a["step"] == b["step"] and all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
+        # tied: head and value embedding alone, scalars, the gates' bucket; untied the embedding too; 4 steps
+        assert (alone_calls, bucketed_calls) == (2 * 5 + 2 * 6, 2 * 4 + 2 * 5), (alone_calls, bucketed_calls)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][100][0], results[1][100][0]))
 
 
 # ----------------------------------------------------------------------------------------------
