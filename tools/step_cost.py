@@ -658,8 +658,13 @@ def side_by_side(hp, world_size, gpu, log_path, top=12):
     peaks = GPU_PEAKS[gpu]
     ours, _ = stage_costs(hp, world_size, peaks)
     reference, _ = reference_stage_costs(log_path, world_size, peaks)
+    return comparison(ours, reference, world_size, peaks, os.path.basename(log_path), top)
+
+
+def comparison(ours, reference, world_size, peaks, log_name, top=12):
+    """The side-by-side report of two lists of StageCost, stage by stage."""
     lines = header(world_size, peaks)
-    lines.append(f"reference: {os.path.basename(log_path)}'s train_gpt.py and triton_kernels.py, traced the same way")
+    lines.append(f"reference: {log_name}'s train_gpt.py and triton_kernels.py, traced the same way")
     for o, r in zip(ours, reference):
         lines.append(f"stage {o.stage + 1} (ours {o.steps} steps of {o.tokens:,} tokens, reference {r.steps} steps of "
                      f"{r.tokens:,} tokens):")
