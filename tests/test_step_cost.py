@@ -1,7 +1,12 @@
 """tools/step_cost.py, the step-cost ledger: its matmul FLOPs are the analytic count of the record step, its
 FLOPs are FlopCounterMode's, it sees fp32 GEMMs where there are some (a positive control) and none in the
 shipped FP8 MLP, and the bytes a traced forward keeps are the memory plan's (slow: a fake-tensor trace of a
-tiny model's step takes ~20 s on 2 cores). The FP8 MLP's bf16 weight gradients meet their error model."""
+tiny model's step takes ~20 s on 2 cores). The FP8 MLP's bf16 weight gradients meet their error model.
+The reference's side (tools/reference_step.py): each stand-in's FLOPs and bytes are the analytic count of its
+kernel, and the reference's own step at reduced size has its analytic FLOPs (slow, skipped without the log in
+../shared/reference/); the launch floor and NCCL's latency move the totals they should; the flags' errors are
+one line."""
+import collections
 import math
 from pathlib import Path
 
@@ -400,3 +405,28 @@ def test_copy_writes_its_destination_without_reading_it():
     size = 768 * 4096 * 2
     assert ledger.op_bytes(only_op(ops, "copy_")) == (size, size)
     assert ledger.op_bytes(only_op(ops, "add_")) == (2 * size, size)
+
+
+def made_up_cost(stage, steps, ms, top):
+    """A StageCost of `ms` per step, all of it memory time, with the given items."""
+    zero = collections.Counter()
+    return sc.StageCost(stage, steps, 1000, zero, zero, zero, compute=0.0, memory=ms / 1e3, launch=0.0, comm=0.0,
+                        optimizer_compute=0.0, kernels=1, collectives=0, latency=0.0,
+                        top=collections.Counter(top), ops=[])
+
+
+def test_side_by_side_lines():
+    """The stage lines, the items paired by phase, class and canonical output, and the last line: the train
+    times' ratio times the reference's measured 79.7 s."""
+    item = ("backward", "matmul bf16", "mm", "bfloat16[3072, 768]")
+    same = ("backward", "matmul bf16", "bmm", "bfloat16[1, 3072, 768]")
+    ours = [made_up_cost(0, 100, 30.0, {}), made_up_cost(2, 300, 66.0, {item: 0.004})]
+    reference = [made_up_cost(0, 100, 20.0, {}), made_up_cost(2, 300, 60.0, {same: 0.001})]
+    lines = sc.comparison(ours, reference, 8, H100, "log.txt")
+    assert "stage 1: predicted ms/step ours 30.0, reference 20.0, ratio 1.50" in lines
+    assert "stage 3: predicted ms/step ours 66.0, reference 60.0, ratio 1.10" in lines
+    (paired,) = [line for line in lines if "bfloat16[3072, 768]" in line]
+    assert paired.startswith("    +3.00 ms (ours   4.00, reference   1.00)") and "ours: mm; reference: bmm" in paired
+    ratio = (100 * 30.0 + 300 * 66.0) / (100 * 20.0 + 300 * 60.0)
+    assert lines[-1] == (f"predicted train time: ours 22.8 s, reference 20.0 s, ratio {ratio:.3f}; at the reference's "
+                         f"measured 79.7 s: {ratio:.3f} × 79.7 = {ratio * 79.7:.1f} s")

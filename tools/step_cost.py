@@ -535,13 +535,25 @@ def stage_costs(hp, world_size, peaks, stages=range(4)):
     return costs, ledger
 
 
+@contextlib.contextmanager
+def fake_group(world_size):
+    """torch's fake process group of world_size ranks, this process rank 0, at any world size (the reference
+    asks the process group for its size even on one GPU)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    torch.distributed.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def reference_stage_costs(log_path, world_size, peaks, stages=range(4), tokens_per_rank=None):
     """StageCost of each of `stages` of the reference's own step (tools/reference_step.py), traced as ours is:
     rank 0 of world_size on fake tensors, each stage's even step (no Adam) and odd step (Adam, its gradients
     summed over both steps) weighed by their counts. tokens_per_rank replaces the stages' batches (tests)."""
     fake, ledger = FakeTensorMode(), Ledger(world_size)
     costs = []
-    with fake_world(world_size), fake, warnings.catch_warnings():
+    with fake_group(world_size), fake, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecation notices of the reference's collectives
         reference = reference_step.Reference(log_path, world_size, attention_op)
         model, manager = reference.build()
@@ -646,8 +658,13 @@ def side_by_side(hp, world_size, gpu, log_path, top=12):
     peaks = GPU_PEAKS[gpu]
     ours, _ = stage_costs(hp, world_size, peaks)
     reference, _ = reference_stage_costs(log_path, world_size, peaks)
+    return comparison(ours, reference, world_size, peaks, os.path.basename(log_path), top)
+
+
+def comparison(ours, reference, world_size, peaks, log_name, top=12):
+    """The side-by-side report of two lists of StageCost, stage by stage."""
     lines = header(world_size, peaks)
-    lines.append(f"reference: {os.path.basename(log_path)}'s train_gpt.py and triton_kernels.py, traced the same way")
+    lines.append(f"reference: {log_name}'s train_gpt.py and triton_kernels.py, traced the same way")
     for o, r in zip(ours, reference):
         lines.append(f"stage {o.stage + 1} (ours {o.steps} steps of {o.tokens:,} tokens, reference {r.steps} steps of "
                      f"{r.tokens:,} tokens):")
