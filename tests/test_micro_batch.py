@@ -2,8 +2,8 @@
 cut), each padded to a fixed length and carrying the context the uncut micro-step reads outside it (the
 document before it, the next two targets, the rotary positions). The pieces hold the micro-step exactly and
 the loader's walk does not depend on the cap; the pieces' gradients are the uncut ones to fp32 rounding with
-the key shift closed, and within 1e-5 with it open (it reaches past the previous document); each carried piece
-of context, left out, moves them measurably; the warm-up visits every piece length; runs with pieces stay
+the key shift closed, and within KEY_SHIFT_RESIDUAL_BOUND (1.7e-5) with it open (it reaches past the previous
+document); each carried piece of context, left out, moves them measurably; the warm-up visits every piece length; runs with pieces stay
 within a measured distance of the uncut run and resume across caps."""
 import dataclasses
 import math
@@ -221,22 +221,37 @@ def test_pieces_give_the_uncut_gradients_of_the_cpu_preset():
     _check_exactness(None, 2048, (1 / 2, 1 / 3, 1 / 7), longest=290)
 
 
-def test_the_key_shift_needs_the_whole_previous_document():
-    """With the key shift open: the first key of a document holds, on its position-free dims, the previous
-    document's last key at every key-shift layer, a function of that whole document's deep state, which is
-    why a piece carries the whole document before it. Measured (this configuration): relative gradient
-    distance 2.7e-6 in pieces of at most 256 (what is left: that document's own first key, which depends on
-    the document before it), against 4.7e-4 with the token before the piece alone as its context."""
+# The open key-shift channel. A piece carries the whole document before it, but the key shift goes one document
+# further: that document's own first key takes, on its position-free dims, the last key of the document before it,
+# whose key takes the one before that, a chain back to the micro-step's start. The uncut micro-step computes that
+# chain's keys once; a piece recomputes its context document's first key without the document before it (the
+# chain cut there), and fp32 rounds the chain's sums in another order. The residual is that key's difference,
+# propagated through attention into the piece's first document, plus the gradient sums grouped otherwise (the
+# closed channel's 1e-6). It grows with the number of cuts. Measured worst relative gradient distance over pieces
+# of 1/2, 1/3 and 1/7 of a 512-token micro-step (3, 4 and 10 pieces: 2.7e-6, 4.1e-6, 5.7e-6); the bound is 3x the
+# worst, far below what a piece without its previous document gives (4.7e-4, the positive control).
+KEY_SHIFT_RESIDUAL_BOUND = 1.7e-5
+
+
+def test_the_open_key_shift_stays_within_its_bound():
+    """With the key shift open (as the trainer runs): pieces of at most 1/2, 1/3, 1/7 of a micro-step of 512
+    tokens give the uncut gradients within KEY_SHIFT_RESIDUAL_BOUND (its error model above); the positive
+    control: with the token before each piece alone as its context (not its document), the first key of the
+    piece's first document sees another key at every key-shift layer and the gradients move by more than 10x
+    the bound."""
     hp, model = _cpu_model(1024)
     window, lengths, ids = _micro_step(hp, 512, 70)
     uncut = _gradients(model, hp, [tg.model_inputs(window, lengths, CPU, ids)])
-    pieces, _ = _pieces(window, lengths, ids, 256)
-    distance = _distance(_gradients(model, hp, pieces), uncut)
+    for fraction in (1 / 2, 1 / 3, 1 / 7):
+        pieces, _ = _pieces(window, lengths, ids, int(512 * fraction))
+        distance = _distance(_gradients(model, hp, pieces), uncut)
+        print(f"key shift open, {len(pieces)} pieces of <= {int(512 * fraction)}: relative gradient distance "
+              f"{distance:.2e}")
+        assert distance < KEY_SHIFT_RESIDUAL_BOUND
     token_only, _ = _pieces(window, lengths, ids, 256, previous_token_only=True)
     token_distance = _distance(_gradients(model, hp, token_only), uncut)
-    print(f"key shift open: relative gradient distance {distance:.2e}; with the previous token alone as the context "
-          f"{token_distance:.2e}")
-    assert distance < 1e-5 and token_distance > 30 * distance
+    print(f"with the previous token alone as the context: {token_distance:.2e}")
+    assert token_distance > 10 * KEY_SHIFT_RESIDUAL_BOUND
 
 
 @pytest.mark.slow
