@@ -3,8 +3,9 @@ cut), each padded to a fixed length and carrying the context the uncut micro-ste
 document before it, the next two targets, the rotary positions). The pieces hold the micro-step exactly and
 the loader's walk does not depend on the cap; the pieces' gradients are the uncut ones to fp32 rounding with
 the key shift closed, and within KEY_SHIFT_RESIDUAL_BOUND (1.7e-5) with it open (it reaches past the previous
-document); each carried piece of context, left out, moves them measurably; the warm-up visits every piece length; runs with pieces stay
-within a measured distance of the uncut run and resume across caps."""
+document); each carried piece of context, left out, moves them measurably; validation in pieces has the uncut
+loss; the warm-up visits every piece length; runs with pieces stay within a measured distance of the uncut run
+and resume across caps."""
 import dataclasses
 import math
 import re

@@ -7,9 +7,10 @@ It traces one training step and one validation forward of rank 0 of $WORLD_SIZE 
 variable, as torchrun sets it, default 1; there is no --world_size flag) with fake tensors (shapes and dtypes,
 no data: no GPU is touched), counting every tensor storage while it lives: parameters, gradients, each
 optimizer's state, the activations a piece saves for the backward, the head's logits, the training and
-validation peaks. On GPU paths it also names the largest --micro_batch_tokens under which
-both peaks fit --gpu_memory_gb (the validation runs in pieces of the same cap). The last line is always `predicted peak per process: X GiB` (one GPU's, on GPUs);
-under torchrun only rank 0 prints it, outside torchrun the plan is printed whatever $RANK says.
+validation peaks. On GPU paths it also names the largest --micro_batch_tokens under which both peaks fit
+--gpu_memory_gb (the validation runs in pieces of the same cap). The last line is always `predicted peak per
+process: X GiB` (one GPU's, on GPUs); under torchrun only rank 0 prints it, outside torchrun the plan is printed
+whatever $RANK says.
 Bad flags or environment variables are one line `plan_memory.py: error: ...` on stderr and exit status 2.
 """
 import contextlib
