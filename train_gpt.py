@@ -854,17 +854,73 @@ def read_validation_tokens(pattern, count, vocab_size=None):
     return np.concatenate(parts)
 
 
-def validation_batches(tokens, val_tokens, val_batch_size, rank, world_size, accum, device, bigram_rows=0):
-    """The first val_tokens of `tokens` (read_validation_tokens), in val_batch_size steps; rank r takes
-    its contiguous slice of each step (split into `accum` forward passes). Not BOS-aligned; documents
-    still never mix in attention."""
+def validation_windows(tokens, val_tokens, val_batch_size, rank, world_size, accum):
+    """(window, document lengths) of each validation forward: the first val_tokens of `tokens`
+    (read_validation_tokens) in val_batch_size steps; rank r takes its contiguous slice of each step (split
+    into `accum` forward passes). Not BOS-aligned; documents still never mix in attention."""
     chunk = tokens_per_rank(val_batch_size, world_size, accum, what="--val_batch_size")
     for start in range(0, val_tokens, chunk * world_size):
         begin = start + rank * chunk
         buf = tokens[begin: begin + chunk + 1]
         starts = np.flatnonzero(buf[:-1] == BOS_ID)
-        yield model_inputs(buf, np.diff(np.concatenate([[0], starts[starts > 0], [chunk]])), device,
-                           bigram_hash(buf[:-1], bigram_rows) if bigram_rows else None)
+        yield buf, np.diff(np.concatenate([[0], starts[starts > 0], [chunk]]))
+
+
+def validation_batches(tokens, val_tokens, val_batch_size, rank, world_size, accum, device, bigram_rows=0):
+    """The Batch of each validation forward (validation_windows)."""
+    for buf, lengths in validation_windows(tokens, val_tokens, val_batch_size, rank, world_size, accum):
+        yield model_inputs(buf, lengths, device, bigram_hash(buf[:-1], bigram_rows) if bigram_rows else None)
+
+
+def receptive_field(plan, window_pairs, window_block_tokens):
+    """Tokens back, inside one document, that a position's output can depend on under any of the (short, long)
+    window_pairs: each attention layer reaches its window (and its key shift one token more), the smear gate
+    and the bigram one token; everything else acts per position."""
+    return 1 + sum(max(pair[1 if layer.long_window else 0] for pair in window_pairs) * window_block_tokens
+                   + layer.key_shift for layer in plan if layer.attention)
+
+
+def validation_piece_length(tokens, max_piece_tokens, context):
+    """Positions of each forward a validation window of `tokens` runs as: all of them uncut, else the fixed
+    length of its pieces (at most max_piece_tokens tokens and the context before them)."""
+    return tokens if tokens <= max_piece_tokens else max_piece_tokens + min(context, tokens - max_piece_tokens)
+
+
+def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accum, device, max_piece_tokens, context,
+                      bigram_rows=0):
+    """[the Batches of each validation forward]: one uncut Batch (validation_batches) if it holds at most
+    max_piece_tokens tokens, else pieces of max_piece_tokens consecutive tokens (the last may be shorter), each
+    led by the `context` tokens before it (receptive_field; fewer at the window's start), with their document
+    boundaries, rotary positions and bigram ids and no loss (the context's first document starts where it
+    starts: what that changes lies more than `context` tokens before the piece's tokens, beyond their reach),
+    padded to validation_piece_length (a document of its own with no loss). Every loss term is the uncut one."""
+    for buf, lengths in validation_windows(tokens, val_tokens, val_batch_size, rank, world_size, accum):
+        n = len(buf) - 1
+        ids = bigram_hash(buf[:-1], bigram_rows) if bigram_rows else None
+        if n <= max_piece_tokens:
+            yield [model_inputs(buf, lengths, device, ids)]
+            continue
+        length = validation_piece_length(n, max_piece_tokens, context)
+        yield [validation_piece(buf, lengths, start, min(start + max_piece_tokens, n), max(0, start - context), length,
+                                device, ids) for start in range(0, n, max_piece_tokens)]
+
+
+def validation_piece(window, doc_lengths, start, stop, first, length, device, bigram_ids=None):
+    """The Batch of the validation piece [start, stop) of `window` led by its context [first, start), padded to
+    `length` positions: targets and loss only on the piece's tokens."""
+    used = stop - first
+    inputs = np.zeros(length, dtype=np.int64)  # padding: any token of every vocabulary
+    inputs[:used] = window[first: stop]
+    targets = np.full(length, NO_TARGET, dtype=np.int64)
+    targets[start - first: used] = window[start + 1: stop + 1]
+    loss_mask = targets != NO_TARGET
+    ids = None
+    if bigram_ids is not None:
+        ids = np.full(length, bigram_ids[0], dtype=np.int32)  # the reserved row, as at position 0
+        ids[:used] = bigram_ids[first:stop]
+    doc_lengths = [*cut_lengths(doc_lengths, first, stop), length - used]
+    return to_device(inputs, targets, padded_cu_seqlens([n for n in doc_lengths if n], length), device, ids,
+                     np.arange(first, first + length), loss_mask)
 
 
 class BigramCounts(NamedTuple):
@@ -1565,7 +1621,8 @@ class GPT(nn.Module):
 
     def loss(self, x, input_seq, target_seq, mtp_weights=None, loss_mask=None, prior=None):
         """The head's loss on the trunk's output (plus a --bigram_prior's BigramPrior of the inputs): summed in
-        training (the step's mtp_weights, a piece's loss_mask), the mean next-token loss in evaluation."""
+        training (the step's mtp_weights, a piece's loss_mask), the mean next-token loss in evaluation (summed
+        over a validation piece's loss_mask)."""
         with_prior = {} if prior is None else dict(prior=prior, prev_tokens=input_seq)
         return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training, self.fp8_head_scales,
                               self.softcap, mtp_weights, loss_mask, **with_prior)
@@ -1850,7 +1907,7 @@ class FP8SoftcapLoss(torch.autograd.Function):
 def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None, loss_mask=None):
     """The head and its loss on the GPU path: summed over tokens in training (the next-token loss, or
     the multi-token loss with the step's mtp_weights; the caller divides by the accumulation steps),
-    the mean next-token loss in fp32 for validation. In FP8, head and loss are one op (FP8SoftcapLoss);
+    the mean next-token loss in fp32 for validation (a validation piece's loss_mask: the sum over it). In FP8, head and loss are one op (FP8SoftcapLoss);
     otherwise the compiled graph fuses the softcap."""
     if training and fp8_scales is not None:
         weights = x.new_ones(1, dtype=torch.float32) if mtp_weights is None else mtp_weights
@@ -1863,6 +1920,10 @@ def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp
             return multi_token_loss(z, targets, z.new_ones(1) if mtp_weights is None else mtp_weights, loss_mask)
         return F.cross_entropy(z, targets, reduction="sum") if mtp_weights is None else \
             multi_token_loss(z, targets, mtp_weights)
+    if loss_mask is not None:  # a validation piece: its summed loss (its targets are NO_TARGET outside the mask)
+        return sum(F.cross_entropy(softcapped(head_matmul(xc, weight, None), softcap), tc, reduction="sum",
+                                   ignore_index=NO_TARGET)
+                   for xc, tc in zip(x.split(EVAL_HEAD_ROWS), targets.split(EVAL_HEAD_ROWS)))
     total = sum(F.cross_entropy(softcapped(head_matmul(xc, weight, None), softcap), tc, reduction="sum")
                 for xc, tc in zip(x.split(EVAL_HEAD_ROWS), targets.split(EVAL_HEAD_ROWS)))
     return total / x.size(0)
@@ -2122,6 +2183,8 @@ def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, soft
     rounding are ignored: no FP8 on CPU, and the CPU path computes in fp32); also takes --bigram_prior."""
     if training:
         return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights, loss_mask, prior, prev_tokens)
+    if loss_mask is not None:  # a validation piece: its summed loss
+        return chunked_softcap_loss(x, weight, targets, False, softcap, None, loss_mask, prior, prev_tokens)[0]
     return chunked_softcap_loss(x, weight, targets, False, softcap, prior=prior, prev_tokens=prev_tokens)[0] / x.size(0)
 
 
@@ -3334,10 +3397,13 @@ class Schedule:
         self.multi_token = any(w for k, w in enumerate(hp.mtp_weights_start + hp.mtp_weights_end) if k % MTP_HORIZON)
         self._on_device, self._mtp = {}, None
         if device is not None:
-            pairs = {stage.window_blocks for stage in self.stages} | {self.final_windows}
-            self._on_device = {pair: torch.tensor(pair, dtype=torch.int32, device=device) for pair in pairs}
+            self._on_device = {pair: torch.tensor(pair, dtype=torch.int32, device=device) for pair in self.window_pairs()}
             if self.multi_token:
                 self._mtp = torch.tensor([self.mtp_weights(step) for step in range(self.total_steps + 1)], device=device)
+
+    def window_pairs(self):
+        """{(short, long)} of every window pair the run trains or validates with."""
+        return {stage.window_blocks for stage in self.stages} | {self.final_windows}
 
     def stage_index(self, step):
         """0, 1, 2 for the thirds of the scheduled steps, 3 for the extension (and the final step)."""
@@ -4344,6 +4410,12 @@ class Trainer:
         self.fp8_mlp = self.model.fp8_mlp if self.model.mlp_in_fp8 else None
         self.matrix_opt, self.adam = make_optimizers(self.model, hp)
         self.schedule = Schedule(hp, self.device)
+        self.val_context = receptive_field(self.model.plan, self.schedule.window_pairs(), hp.window_block_tokens)
+        val_chunk = tokens_per_rank(hp.val_batch_size, self.world_size, self.accum)
+        if val_chunk > piece_cap(hp):
+            self.log(f"validation: forwards of {val_chunk:,} tokens in pieces of "
+                     f"{validation_piece_length(val_chunk, hp.micro_batch_tokens, self.val_context):,} positions (at most "
+                     f"{hp.micro_batch_tokens} tokens, after {self.val_context:,} of context: the receptive field)")
         self.prior = None  # --bigram_prior's BigramPrior, counted at the start of the timed loop
         self.stats, self.clock = RunStats(self.device), TrainClock(self.device)
         self.profiler = StepProfiler(hp, self.run_id, self.total_steps, self.log)
@@ -4389,14 +4461,29 @@ class Trainer:
         hp = self.hp
         self.model.eval()
         with self.stats.eval_memory():
-            losses = [self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids,
-                                   prior=self.prior)
-                      for batch in validation_batches(self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank,
-                                                      self.world_size, self.accum, self.device, hp.bigram_vocab_size)]
+            if hp.micro_batch_tokens:
+                losses = [self.validation_loss(pieces, windows) for pieces in validation_pieces(
+                    self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size, self.accum,
+                    self.device, hp.micro_batch_tokens, self.val_context, hp.bigram_vocab_size)]
+            else:
+                losses = [self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids,
+                                       prior=self.prior)
+                          for batch in validation_batches(self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank,
+                                                          self.world_size, self.accum, self.device, hp.bigram_vocab_size)]
             loss = torch.stack(losses).mean()
         if self.world_size > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         return finite_validation_loss(loss.item())
+
+    def validation_loss(self, pieces, windows):
+        """Mean loss of one validation forward run as `pieces` (validation_pieces): their summed losses over its
+        tokens, or the uncut forward's own mean."""
+        if len(pieces) == 1 and pieces[0].loss_mask is None:
+            batch = pieces[0]
+            return self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids, prior=self.prior)
+        total = sum(self.forward(p.inputs, p.targets, p.cu_seqlens, windows, p.bigram_ids, positions=p.positions,
+                                 loss_mask=p.loss_mask, prior=self.prior) for p in pieces)
+        return total / tokens_per_rank(self.hp.val_batch_size, self.world_size, self.accum)
 
     def snapshot(self):
         """Everything a bit-exact continuation needs (collective when distributed)."""

@@ -65,18 +65,25 @@ def test_optimizer_state_shards_over_ranks():
 
 
 def test_largest_fitting_cap_is_the_boundary():
-    hp = tg.parse_args(tiny(Path(".")) + ["--batch_sizes", "4096", "4096", "4096"])
+    """The cap the plan picks fits both peaks (training: its padded pieces; validation: its pieces, which run the
+    receptive field's context before their tokens) and the next larger one does not; validation's pieces shrink
+    its peak."""
+    hp = tg.parse_args(tiny(Path(".")) + ["--batch_sizes", "4096", "4096", "4096", "--val_tokens", "16384",
+                                          "--val_batch_size", "16384"])
     plan = pm.MemoryPlan(hp, 1)
-    _, val_peak = plan.validation_figures()
-    uncut = plan.piece_figures(plan.largest_piece(0))["peak"]
-    smallest = plan.piece_figures(pm.PLAN_PIECE_STEP)["peak"]
+    _, val_uncut = plan.validation_figures(0)
+    uncut = plan.peak(0)
+    smallest = plan.peak(pm.PLAN_PIECE_STEP)
     budget = (3 * smallest + uncut) // 4  # somewhere among the cuts
-    cap = plan.largest_fitting_cap(budget, val_peak)
-    assert 0 < cap < 4096 and cap % pm.PLAN_PIECE_STEP == 0 and plan.largest_piece(cap) == cap + 448 + 2
-    assert plan.piece_figures(cap + 450)["peak"] <= budget
-    bigger = plan.largest_piece(cap + pm.PLAN_PIECE_STEP)
-    assert plan.piece_figures(bigger)["peak"] > budget  # the next larger pieces do not fit
-    assert plan.largest_fitting_cap(uncut, val_peak) == 0 and plan.largest_fitting_cap(smallest - 1, val_peak) is None
+    cap = plan.largest_fitting_cap(budget)
+    assert 0 < cap < 16384 and cap % pm.PLAN_PIECE_STEP == 0
+    assert plan.largest_piece(cap) in (cap + 448 + 2, 4096)
+    context = tg.receptive_field(plan.model.plan, tg.Schedule(hp).window_pairs(), hp.window_block_tokens)
+    val_length, val_peak = plan.validation_figures(cap)
+    assert val_length == cap + min(context, 16384 - cap) and val_peak < val_uncut
+    assert plan.piece_figures(plan.largest_piece(cap))["peak"] <= budget and val_peak <= budget
+    assert plan.peak(cap + pm.PLAN_PIECE_STEP) > budget  # the next larger pieces do not fit
+    assert plan.largest_fitting_cap(uncut) == 0 and plan.largest_fitting_cap(smallest - 1) is None
 
 
 def test_plan_memory_prints_and_exits_without_training(tmp_path, capsys, monkeypatch):

@@ -7,9 +7,10 @@ It traces one training step and one validation forward of rank 0 of $WORLD_SIZE 
 variable, as torchrun sets it, default 1; there is no --world_size flag) with fake tensors (shapes and dtypes,
 no data: no GPU is touched), counting every tensor storage while it lives: parameters, gradients, each
 optimizer's state, the activations a piece saves for the backward, the head's logits, the training and
-validation peaks. On GPU paths it also names the largest --micro_batch_tokens whose
-peak fits --gpu_memory_gb. The last line is always `predicted peak per process: X GiB` (one GPU's, on GPUs);
-under torchrun only rank 0 prints it, outside torchrun the plan is printed whatever $RANK says.
+validation peaks. On GPU paths it also names the largest --micro_batch_tokens under which both peaks fit
+--gpu_memory_gb (the validation runs in pieces of the same cap). The last line is always `predicted peak per
+process: X GiB` (one GPU's, on GPUs); under torchrun only rank 0 prints it, outside torchrun the plan is printed
+whatever $RANK says.
 Bad flags or environment variables are one line `plan_memory.py: error: ...` on stderr and exit status 2.
 """
 import contextlib
@@ -30,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt import (ATTN_BLOCK, BOS_ID, CPU_POLAR_EXPRESS, GPT, GPU_POLAR_EXPRESS, PIECE_CONTEXT_AFTER,  # noqa: E402
                        Batch, ConfigError, DataError, NorMuon, Schedule, backend_for, bigram_hash, build_arg_parser,
                        check_batch_splits, describe_pieces, grad_accum_steps, hyperparameters_from, make_optimizers,
-                       micro_step_pieces, model_inputs, piece_inputs, process_place, tokens_per_rank)
+                       micro_step_pieces, model_inputs, piece_inputs, process_place, receptive_field, tokens_per_rank,
+                       validation_piece, validation_piece_length)
 
 PROG = "plan_memory.py"
 
@@ -121,6 +123,17 @@ def plan_batch(hp, tokens, piece=False):
     return model_inputs(window, [tokens], torch.device("cpu"), bigram_ids)
 
 
+def plan_validation_batch(hp, tokens, length):
+    """A Batch of a validation forward of `length` positions: uncut (one document) if it holds all `tokens`, else
+    a validation piece of that length (its context, then its loss-bearing tokens)."""
+    if length == tokens:
+        return plan_batch(hp, tokens)
+    window = np.full(tokens + 1, BOS_ID)
+    bigram_ids = bigram_hash(window[:-1], hp.bigram_vocab_size) if hp.bigram_vocab_size else None
+    context = length - hp.micro_batch_tokens
+    return validation_piece(window, [tokens], context, length, 0, length, torch.device("cpu"), bigram_ids)
+
+
 def planned_model(hp, gpu_path, accum, attention=None):
     """The run's model (made under a FakeTensorMode: no memory) with the trainer's backend: on a GPU with FP8 tensor
     cores (the FP8 head unless --fp8 off), `attention` standing in for the fused kernel (default: its footprint,
@@ -156,10 +169,12 @@ class MemoryPlan:
         self.hp, self.world_size, self.gpu_path = hp, world_size, gpu_path
         self.accum = grad_accum_steps(hp, world_size)
         check_batch_splits(hp, world_size, self.accum)
-        last = Schedule(hp).at(hp.num_scheduled_iterations + hp.num_extension_iterations)
+        schedule = Schedule(hp)
+        last = schedule.at(hp.num_scheduled_iterations + hp.num_extension_iterations)
         self.windows, self.mtp_weights = last.windows, last.mtp_weights
+        self.window_pairs = schedule.window_pairs()
         self.fake, self.live = FakeTensorMode(), LiveMemory()
-        self._pieces = {}
+        self._pieces, self._validations = {}, {}
         with warnings.catch_warnings(), fake_world(world_size), self.fake, self.live:
             self.model = planned_model(hp, gpu_path, self.accum)
             warnings.simplefilter("ignore")  # deprecation notices of collectives that do nothing here
@@ -183,12 +198,14 @@ class MemoryPlan:
     def _storage_bytes(self, tensor):
         return -(-tensor.untyped_storage().nbytes() // self.live.block_bytes) * self.live.block_bytes
 
-    def _run_piece(self, tokens, training=True):
-        """One forward of `tokens` positions (and its backward in training) under the tracker: the bytes the
-        forward leaves alive, before and after the head ({"trunk": ..., "head": ...})."""
+    def _run_piece(self, tokens, training=True, batch=None):
+        """One forward of `tokens` positions (and its backward in training) under the tracker, of `batch` (default:
+        a training piece or micro-step of that length): the bytes the forward leaves alive, before and after the
+        head ({"trunk": ..., "head": ...})."""
         before = self.live.live
-        uncut = micro_step_pieces(dataclasses.replace(self.hp, micro_batch_tokens=0), self.world_size, self.accum)
-        batch = plan_batch(self.hp, tokens, piece=training and tokens not in dict(uncut))
+        if batch is None:
+            uncut = micro_step_pieces(dataclasses.replace(self.hp, micro_batch_tokens=0), self.world_size, self.accum)
+            batch = plan_batch(self.hp, tokens, piece=training and tokens not in dict(uncut))
         batch = Batch(*(None if t is None else self.fake.from_tensor(t) for t in batch))
         for t in batch:  # the batch is made for the piece
             if t is not None:
@@ -214,35 +231,53 @@ class MemoryPlan:
                 self._pieces[tokens] = dict(kept, peak=max(self.live.peak, self.step_peak))
         return self._pieces[tokens]
 
-    def validation_figures(self):
-        """(tokens per forward, the peak of a validation forward after an even step: the matrix optimizer's
-        gradients are gone (traced with them, then taken off), DistAdam's still accumulate)."""
+    def validation_length(self, micro_batch_tokens):
+        """The positions of a validation forward at that cap: all of a rank's tokens per forward, or a piece."""
         tokens = tokens_per_rank(self.hp.val_batch_size, self.world_size, self.accum, what="--val_batch_size")
-        with self.fake, self.live:
-            self.live.reset_peak()
-            self._run_piece(tokens, training=False)
-        matrix_grads = sum(self._storage_bytes(p.grad) for group in self.optimizers[0].param_groups
-                           for p in group["params"])
-        return tokens, self.live.peak - matrix_grads
+        if not micro_batch_tokens:
+            return tokens
+        context = receptive_field(self.model.plan, self.window_pairs, self.hp.window_block_tokens)
+        return validation_piece_length(tokens, micro_batch_tokens, context)
+
+    def validation_figures(self, micro_batch_tokens):
+        """(positions per forward, the peak of a validation forward at that cap after an even step: the matrix
+        optimizer's gradients are gone (traced with them, then taken off), DistAdam's still accumulate)."""
+        length = self.validation_length(micro_batch_tokens)
+        if length not in self._validations:
+            tokens = self.validation_length(0)
+            batch = plan_validation_batch(dataclasses.replace(self.hp, micro_batch_tokens=micro_batch_tokens), tokens,
+                                          length)
+            with self.fake, self.live:
+                self.live.reset_peak()
+                self._run_piece(length, training=False, batch=batch)
+            matrix_grads = sum(self._storage_bytes(p.grad) for group in self.optimizers[0].param_groups
+                               for p in group["params"])
+            self._validations[length] = self.live.peak - matrix_grads
+        return length, self._validations[length]
+
+    def peak(self, micro_batch_tokens):
+        """The larger of the training and the validation peak at that cap."""
+        return max(self.piece_figures(self.largest_piece(micro_batch_tokens))["peak"],
+                   self.validation_figures(micro_batch_tokens)[1])
 
     def largest_piece(self, micro_batch_tokens):
         """The positions of the longest forward (a padded piece, or an uncut micro-step) of the run at that cap."""
         hp = dataclasses.replace(self.hp, micro_batch_tokens=micro_batch_tokens)
         return max(length for _, length in micro_step_pieces(hp, self.world_size, self.accum))
 
-    def largest_fitting_cap(self, budget_bytes, val_peak):
+    def largest_fitting_cap(self, budget_bytes):
         """The largest --micro_batch_tokens (a multiple of PLAN_PIECE_STEP) whose training peak (its padded
-        pieces) and val_peak stay within budget_bytes; 0 if the run fits uncut, None if none fits."""
-        longest = self.largest_piece(0)
-        if val_peak > budget_bytes or self.piece_figures(self.largest_piece(PLAN_PIECE_STEP))["peak"] > budget_bytes:
+        pieces) and validation peak (its validation pieces) stay within budget_bytes; 0 if the run fits uncut,
+        None if none fits."""
+        if self.peak(PLAN_PIECE_STEP) > budget_bytes:
             return None
-        if self.piece_figures(longest)["peak"] <= budget_bytes:
+        if self.peak(0) <= budget_bytes:
             return 0
+        longest = max(self.largest_piece(0), self.validation_length(0))
         low, high = 1, -(-longest // PLAN_PIECE_STEP)  # multiples of PLAN_PIECE_STEP: low fits, high does not
         while high - low > 1:
             middle = (low + high) // 2
-            fits = self.piece_figures(self.largest_piece(middle * PLAN_PIECE_STEP))["peak"] <= budget_bytes
-            low, high = (middle, high) if fits else (low, middle)
+            low, high = (middle, high) if self.peak(middle * PLAN_PIECE_STEP) <= budget_bytes else (low, middle)
         return low * PLAN_PIECE_STEP
 
 
@@ -253,27 +288,32 @@ def plan_report(hp, world_size, gpu_memory_gb):
     pieces = micro_step_pieces(hp, world_size, plan.accum)
     piece = plan.largest_piece(hp.micro_batch_tokens)
     figures = plan.piece_figures(piece)
-    val_tokens, val_peak = plan.validation_figures()
+    val_length, val_peak = plan.validation_figures(hp.micro_batch_tokens)
+    val_tokens = plan.validation_length(0)
+    val_forward = f"{val_tokens:,}-token forward" if val_length == val_tokens else \
+        f"{val_tokens:,} tokens in pieces of {val_length:,}"
     paths = f"GPU paths ({'FP8' if hp.fp8 != 'off' else 'bf16'} head, fused attention)" if gpu_path else "CPU path"
     lines = [f"memory plan (predicted: eager accounting, fake tensors) for rank 0 of {world_size} process(es), "
              f"{paths}, {plan.accum} micro-step(s) per step of {describe_pieces(pieces)} tokens"]
     rows = [*plan.static.items(), (f"activations saved, {piece:,}-token piece", figures["trunk"]),
             (f"head logits saved, {piece:,}-token piece", figures["head"]), ("training peak", figures["peak"]),
-            (f"validation peak, {val_tokens:,}-token forward", val_peak)]
+            (f"validation peak, {val_forward}", val_peak)]
     lines += [f"  {name:<44} {size / GiB:8.2f} GiB" for name, size in rows]
     peak = max(figures["peak"], val_peak)
     if gpu_path:
         budget = gpu_memory_gb * PLAN_USABLE_FRACTION * GiB
-        cap = plan.largest_fitting_cap(budget, val_peak)
+        cap = plan.largest_fitting_cap(budget)
         fit = f"largest --micro_batch_tokens that fits --gpu_memory_gb {gpu_memory_gb:g} ({budget / GiB:.1f} GiB usable): "
         if cap is None:
-            fit += "none (the validation forward or the static memory alone does not fit; lower --val_batch_size or use more GPUs)"
+            fit += f"none (not even {PLAN_PIECE_STEP}: the static memory alone does not fit; use more GPUs)"
         elif cap == 0:
             fit += "any: the run fits uncut (0)"
         else:
             cut = micro_step_pieces(dataclasses.replace(hp, micro_batch_tokens=cap), world_size, plan.accum)
             cap_peak = plan.piece_figures(plan.largest_piece(cap))["peak"]
-            fit += f"{cap} (training peak {cap_peak / GiB:.2f} GiB; micro-steps of {describe_pieces(cut)})"
+            cap_val_length, cap_val_peak = plan.validation_figures(cap)
+            fit += (f"{cap} (training peak {cap_peak / GiB:.2f} GiB, validation peak {cap_val_peak / GiB:.2f} GiB; "
+                    f"micro-steps of {describe_pieces(cut)}; validation in pieces of {cap_val_length:,})")
         lines.append(fit)
     lines.append(f"predicted peak per process: {peak / GiB:.2f} GiB")
     return lines

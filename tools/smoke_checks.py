@@ -645,7 +645,7 @@ class RecordRun:
         loop, hp = self.timed_loop(), self.hp
         plan = plan_memory.MemoryPlan(hp, 1)
         predicted = plan.piece_figures(plan.largest_piece(hp.micro_batch_tokens))["peak"]
-        _, predicted_eval = plan.validation_figures()
+        _, predicted_eval = plan.validation_figures(hp.micro_batch_tokens)
         line = (f"training: predicted {predicted / 2**30:.2f} GiB, measured {loop.train_peak_bytes / 2**30:.2f} GiB "
                 f"({loop.train_peak_bytes / predicted:.2f}x); validation: predicted {predicted_eval / 2**30:.2f} GiB, "
                 f"measured {loop.eval_peak_bytes / 2**30:.2f} GiB ({loop.eval_peak_bytes / predicted_eval:.2f}x)")
