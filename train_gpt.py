@@ -1945,8 +1945,11 @@ class FP8ReluSquareMLP(torch.autograd.Function):
         pre = torch._scaled_mm(x_f8, w1_f8.T, scale_a=dequant, scale_b=dequant.new_ones(()), out_dtype=x.dtype)
         post = F.relu(pre).square()
         post_f8 = (post.float() * (1 / act_scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-        out = torch._scaled_mm(post_f8, w2_f8, scale_a=act_scale, scale_b=w2_scale, out_dtype=x.dtype,
-                               use_fast_accum=True)
+        # the per-layer scales are views into (layers,) buffers; Inductor (torch 2.11) cannot lower _scaled_mm's
+        # tensorwise scale from such a view (LoweringException on the H200), so each is made a tensor of its own
+        # (clamp at 0 changes no positive scale; a clone is elided as a no-op)
+        out = torch._scaled_mm(post_f8, w2_f8, scale_a=act_scale.clamp(min=0), scale_b=w2_scale.clamp(min=0),
+                               out_dtype=x.dtype, use_fast_accum=True)
         ctx.save_for_backward(x, w1, w2, pre, post)
         post_amax = post.detach().amax().float()
         ctx.mark_non_differentiable(post_amax)  # it only scales the next forward: no graph through the buffer
