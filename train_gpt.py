@@ -2165,6 +2165,12 @@ class NgramPrior:
         self.successors = [torch.from_numpy(level.successors) for level in model.levels]
         self.corrections = [as_tensor(level.corrections) for level in model.levels]
 
+    @staticmethod
+    def bytes_bound(order, training_tokens, columns):
+        """At most nbytes() of an order-`order` prior of training_tokens tokens: each order above the first has
+        at most one context (key, offset, row start) and one n-gram (successor, correction) per token."""
+        return 4 * columns + (order - 1) * training_tokens * (8 + 4 + 8 + 8 + 4)
+
     def nbytes(self):
         tensors = [self.log_unigram, *self.offsets, *self.row_starts, *self.successors, *self.corrections]
         return sum(t.numel() * t.element_size() for t in tensors) + sum(c.nbytes for c in self.contexts)
