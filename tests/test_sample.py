@@ -400,3 +400,13 @@ def test_moved_training_shards_are_found_with_train_files(tmp_path, capsys, monk
     one_line_error(*run_sample([relative, "--eval", tmp_path / "val_*.bin"], capsys)[::2],
                    "data/train_000001.bin is not there (a path relative to the folder the training ran in); run from "
                    "that folder, or pass --train_files GLOB")
+
+
+def test_a_checkpoint_of_the_former_bigram_prior_is_refused():
+    """Its prior (the absolute-discount bigram) is gone from train_gpt.py: loading it with no prior would give
+    other numbers silently, so it is one line pointing at the run's own script."""
+    saved = dict(dataclasses.asdict(tg.Hyperparameters()), bigram_prior=1.0)
+    with pytest.raises(tg.DataError, match=r"^old\.pt: its model adds --bigram_prior 1, the absolute-discount "):
+        sample.checkpoint_hyperparameters("old.pt", {"hyperparameters": saved})
+    saved["bigram_prior"] = 0.0  # off: the same model as today's --ngram_prior 0
+    assert sample.checkpoint_hyperparameters("old.pt", {"hyperparameters": saved}).ngram_prior == 0

@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt import (ATTN_BLOCK, BOS_ID, CPU_POLAR_EXPRESS, GPT, GPU_POLAR_EXPRESS, PIECE_CONTEXT_AFTER,  # noqa: E402
                        Batch, ConfigError, DataError, NgramPrior, NorMuon, Schedule, backend_for, bigram_hash, build_arg_parser,
                        check_batch_splits, describe_pieces, grad_accum_steps, hyperparameters_from, make_optimizers,
-                       micro_step_pieces, model_inputs, padded_vocab, piece_inputs, process_place,
-                       SHARD_HEADER_INTS, read_shard, tokens_per_rank)
+                       micro_step_pieces, model_inputs, padded_vocab, piece_inputs, process_place, read_shard,
+                       SHARD_HEADER_INTS, tokens_per_rank)
 
 PROG = "plan_memory.py"
 
