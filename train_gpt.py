@@ -131,11 +131,13 @@ class Hyperparameters:
     head_fp8_amax: tuple = hp_field((100.0, 1.6, 0.75), "largest values the FP8 head casts: activations, weights, "
                                                         "gradients")
     gates_in_adam: bool = hp_field(True, "the gate weights train with DistAdam (off: with the matrix optimizer)")
-    bigram_prior: float = hp_field(0.0, "weight of a fixed prior added to the softcapped logits: the log-probability "
-                                        "of the next token given this one under the training shards' bigram counts "
-                                        "(absolute discount 0.75, interpolated with the add-one unigram; counted on the "
-                                        "clock at the start of training); the multi-token loss scores the same logits "
-                                        "against tokens 2 and 3 (CPU loss path only; off: 0)")
+    ngram_prior: float = hp_field(0.0, "weight of a fixed prior added to the softcapped logits: the log-probability "
+                                       "of the next token under interpolated modified Kneser-Ney of order "
+                                       "--ngram_prior_order, counted from the training shards on the clock at the "
+                                       "start of training; the multi-token loss scores the same logits against "
+                                       "tokens 2 and 3 (CPU loss path only; off: 0)")
+    ngram_prior_order: int = hp_field(2, "order of --ngram_prior's model: its context is the last order - 1 tokens "
+                                         "(2 ... 5)")
     # batches and schedule
     num_scheduled_iterations: int = hp_field(1380, "steps of the scheduled run (thirds set batch size, lr, window)")
     num_extension_iterations: int = hp_field(10, "extra steps at the final batch size, window and lr")
@@ -225,7 +227,7 @@ PRESETS = {
         val_loss_every=36, warmup_steps=0, bigram_dim=32,
         # the layer lists count from the end after the attention-free layer, so other depths keep the layout
         paired_head_layers=(0, 4, -2), xsa_layers=(1, 2, 3, -3, -1), value_embed_layers=(1, 2, -3, -2, -1),
-        first_stage_max_seq_len=448, lr_multipliers=(1.0, 1.28, 1.41), bigram_prior=1.0),
+        first_stage_max_seq_len=448, lr_multipliers=(1.0, 1.28, 1.41), ngram_prior=1.0, ngram_prior_order=2),
 }
 
 
@@ -297,8 +299,9 @@ MTP_HORIZON = 3  # the multi-token-prediction loss weighs the next 1, 2 and 3 to
 MIN_MICRO_BATCH_TOKENS = 128
 # The CPU loss sums exp(logits) unshifted in fp32 (the prior's log-probabilities are <= 0: nothing overflows). Under
 # the prior a context's likeliest next token may have P = 1 / vocab, so every row's sum stays above 0 (whose log
-# is -inf) while --bigram_prior x ln(vocab) <= 87 (exp(-87) is about fp32's smallest normal): a weight <= 8.04.
+# is -inf) while --ngram_prior x ln(vocab) <= 87 (exp(-87) is about fp32's smallest normal): a weight <= 8.04.
 PRIOR_EXP_FLOOR = 87.0
+MAX_NGRAM_ORDER = 5  # --ngram_prior_order: a context of up to 4 tokens packs into a uint64 (count_ngrams)
 
 # (flags, test, what the test means): applied to every value of a tuple flag
 VALUE_RULES = [
@@ -312,12 +315,13 @@ VALUE_RULES = [
       "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd", "adam_wd", "lr_multipliers",
       "final_lr_multiplier", "shampoo_wd", "shampoo_eps", "soap_wd", "adamw_wd", "bigram_vocab_size", "bigram_sign_rows",
       "value_embed_std", "mudd_dim", "first_stage_max_seq_len", "mtp_weights_start", "mtp_weights_end",
-      "value_embed_tables", "bigram_prior"), lambda v: v >= 0, "must be >= 0"),
+      "value_embed_tables", "ngram_prior"), lambda v: v >= 0, "must be >= 0"),
     (("untie_stage",), lambda v: -1 <= v <= 3, "must be a stage (0-2, 3: the extension) or -1 (never)"),
     (("window_blocks", "extension_window_blocks"), lambda v: v >= 2, "must be at least 2 (short window = long // 2 blocks)"),
     (("muon_momentum", "muon_beta2", "adam_betas", "shampoo_betas", "shampoo_graft_beta2", "soap_betas", "adamw_betas"),
      lambda v: 0 <= v < 1, "must be in [0, 1)"),
     (("cooldown_frac",), lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    (("ngram_prior_order",), lambda v: 2 <= v <= MAX_NGRAM_ORDER, f"must be in 2 ... {MAX_NGRAM_ORDER}"),
     (("seed",), lambda v: 0 <= v < 2 ** 63, "must be in [0, 2^63)"),
 ]
 
@@ -344,8 +348,8 @@ def check_hyperparameters(hp):
     if hp.vocab_size <= BOS_ID:
         raise ConfigError(f"--vocab_size {hp.vocab_size} must exceed {BOS_ID}, the shards' document-start token (GPT-2 ids)")
     prior_bound = PRIOR_EXP_FLOOR / math.log(hp.vocab_size)
-    if hp.bigram_prior > prior_bound:
-        raise ConfigError(f"--bigram_prior {hp.bigram_prior:g} is above {prior_bound:.4g}: the CPU loss sums exp of the "
+    if hp.ngram_prior > prior_bound:
+        raise ConfigError(f"--ngram_prior {hp.ngram_prior:g} is above {prior_bound:.4g}: the CPU loss sums exp of the "
                           f"logits in fp32, and under the prior a token's likeliest successor may have P = 1/"
                           f"{hp.vocab_size}, so the weight x ln({hp.vocab_size}) must stay below {PRIOR_EXP_FLOOR:g} "
                           f"(else exp underflows to 0 and the loss is -inf); use a weight up to {prior_bound:.4g}")
@@ -923,24 +927,170 @@ def validation_piece(window, doc_lengths, start, stop, first, length, device, bi
                      np.arange(first, first + length), loss_mask)
 
 
-class BigramCounts(NamedTuple):
-    """Token and consecutive-pair counts of token streams; a pair v, w is keyed v * vocab_size + w (sorted)."""
-    unigrams: np.ndarray
-    pairs: np.ndarray
-    pair_counts: np.ndarray
+NGRAM_TOKEN_BITS = 16  # shards hold uint16 tokens: an n-gram key packs its tokens 16 bits each
 
 
-def count_bigrams(streams, vocab_size):
-    """BigramCounts of every token and every consecutive pair inside each stream (a shard is one stream) of
-    tokens below 65,536, as shards hold them."""
-    unigrams = np.zeros(vocab_size, dtype=np.int64)
-    keys = []
-    for tokens in streams:
-        unigrams += np.bincount(tokens, minlength=vocab_size)
-        tokens = tokens.astype(np.uint32)  # keys of uint16 tokens fit: sorting 4-byte keys takes half the time
-        keys.append(tokens[:-1] * np.uint32(vocab_size) + tokens[1:])
-    pairs, pair_counts = np.unique(np.concatenate(keys), return_counts=True)
-    return BigramCounts(unigrams, pairs.astype(np.int64), pair_counts)
+class NgramLevel(NamedTuple):
+    """The distinct n-grams of one order n >= 2 of some token streams, sorted by (context, successor): the
+    context's n - 1 tokens packed NGRAM_TOKEN_BITS each (the oldest highest), the successor token, the count,
+    and the index of the n-gram's (n - 1)-token suffix among the order below's (for n = 2: the successor)."""
+    contexts: np.ndarray  # uint64
+    successors: np.ndarray  # int64
+    counts: np.ndarray  # int64
+    suffixes: np.ndarray  # int64
+
+
+def check_ngram_tokens(tokens):
+    if tokens.size and int(tokens.max()) >> NGRAM_TOKEN_BITS:
+        raise DataError(f"n-gram counts pack tokens {NGRAM_TOKEN_BITS} bits each (as shards hold them), got token "
+                        f"{int(tokens.max())}")
+
+
+def unique_keys(keys, largest):
+    """np.unique(keys, return_inverse=True, return_counts=True) of int64 keys in [0, largest]: where a key and
+    its position fit in 64 bits together, one sort of (key, position) replaces unique's argsort (3x faster)."""
+    position_bits = max(keys.size - 1, 1).bit_length()
+    if int(largest).bit_length() + position_bits > 64:
+        return np.unique(keys, return_inverse=True, return_counts=True)
+    ordered = np.sort((keys.astype(np.uint64) << np.uint64(position_bits)) | np.arange(keys.size, dtype=np.uint64))
+    sorted_keys = (ordered >> np.uint64(position_bits)).astype(np.int64)
+    first = np.flatnonzero(np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])) if keys.size else \
+        np.zeros(0, np.int64)
+    inverse = np.empty(keys.size, dtype=np.int64)
+    inverse[(ordered & np.uint64((1 << position_bits) - 1)).astype(np.int64)] = np.repeat(
+        np.arange(first.size), np.diff(np.append(first, keys.size)))
+    return sorted_keys[first], inverse, np.diff(np.append(first, keys.size))
+
+
+def count_ngrams(streams, vocab_size, order):
+    """(the unigram counts (vocab_size,), [NgramLevel of orders 2 ... order]) of the n-grams inside each stream
+    (a shard is one stream; its n-grams cross documents). Order n's key is (the index of the (n - 1)-gram that
+    ends one token earlier among the distinct (n - 1)-grams, successor): sorting the keys sorts the n-grams
+    by their tokens, and no key exceeds 64 bits at any vocabulary size."""
+    if not 2 <= order <= MAX_NGRAM_ORDER:
+        raise ValueError(f"n-gram order {order} outside 2 ... {MAX_NGRAM_ORDER}")
+    streams = [np.asarray(s) for s in streams]
+    tokens = np.concatenate(streams).astype(np.int64) if streams else np.zeros(0, np.int64)
+    check_ngram_tokens(tokens)
+    lengths = np.array([s.size for s in streams], dtype=np.int64)
+    depth = np.arange(tokens.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # tokens before, same stream
+    ids, packed, levels = tokens, np.arange(vocab_size, dtype=np.uint64), []  # order 1: a token is its own id
+    n_ids = 1 << NGRAM_TOKEN_BITS
+    for n in range(2, order + 1):
+        ends = np.flatnonzero(depth >= n - 1)  # positions that end an n-gram
+        keys = (ids[ends - 1] << NGRAM_TOKEN_BITS) | tokens[ends]
+        distinct, inverse, counts = unique_keys(keys, (n_ids << NGRAM_TOKEN_BITS) - 1)
+        suffixes = np.empty(distinct.size, dtype=np.int64)
+        suffixes[inverse] = ids[ends]  # every position of one n-gram writes the same suffix
+        successors = distinct & ((1 << NGRAM_TOKEN_BITS) - 1)
+        contexts = packed[distinct >> NGRAM_TOKEN_BITS]
+        levels.append(NgramLevel(contexts, successors, counts.astype(np.int64), suffixes))
+        if n < order:
+            ids = np.full(tokens.size, -1, dtype=np.int64)
+            ids[ends], n_ids = inverse, distinct.size
+            packed = (contexts << np.uint64(NGRAM_TOKEN_BITS)) | successors.astype(np.uint64)
+    return np.bincount(tokens, minlength=vocab_size), levels
+
+
+def kneser_ney_discounts(counts):
+    """Modified Kneser-Ney's (D1, D2, D3+) from the count-of-counts n1 ... n4 of `counts` (Chen & Goodman 1998):
+    Y = n1 / (n1 + 2 n2), Dk = k - (k + 1) Y n(k+1) / nk. On tiny corpora the formula can be undefined (some nk
+    = 0: that discount is k / 2) or leave (0, k] (clipped to [0.01, k]: a context's back-off weight stays > 0)."""
+    n = np.bincount(np.minimum(counts, 5), minlength=6)[1:5].astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = n[0] / (n[0] + 2 * n[1])
+        d = np.array([k - (k + 1) * y * n[k] / n[k - 1] for k in (1, 2, 3)])
+    return np.where(np.isfinite(d), np.clip(d, 0.01, [1.0, 2.0, 3.0]), [0.5, 1.0, 1.5])
+
+
+class KneserNeyLevel(NamedTuple):
+    """Order n >= 2 of a KneserNey model: its seen contexts (packed as NgramLevel's, sorted), each context's
+    successors (CSR: row_starts), the log of each context's back-off weight and each seen n-gram's correction."""
+    contexts: np.ndarray  # uint64
+    row_starts: np.ndarray  # int64, one more than contexts
+    log_backoff: np.ndarray  # float64 per context, <= 0
+    successors: np.ndarray  # int64 per n-gram
+    corrections: np.ndarray  # float64 per n-gram, >= 0
+
+
+class KneserNey(NamedTuple):
+    """Interpolated modified Kneser-Ney (Chen & Goodman 1998) of order len(levels) + 1. With h_k the last k - 1
+    tokens of the context, P_k(w | h_k) = max(a(h_k w) - D(a), 0) / a(h_k .) + g(h_k) P_k-1(w | h_k-1) for a seen
+    h_k, else P_k-1(w | h_k-1); a counts the n-gram at the top order and its distinct one-token left extensions
+    below (continuation counts), g(h) = (D1 N1(h .) + D2 N2(h .) + D3+ N3+(h .)) / a(h .), and P_1 interpolates
+    with the uniform distribution over the vocabulary. So log P(w | h) = log P_1(w) + the log back-off weights of
+    h's seen suffixes + the corrections log(P_k / (g P_k-1)) of the seen n-grams h_k w: a dense row, a per-context
+    offset and sparse corrections, all of which just add."""
+    log_unigram: np.ndarray  # float64 (vocabulary,)
+    levels: list  # KneserNeyLevel of orders 2 ... order
+    discounts: np.ndarray  # (order, 3): D1, D2, D3+ of orders 1 ... order
+
+
+def interpolated_unigram(counts, discounts):
+    """Modified Kneser-Ney's lowest order: discounted continuation counts plus their mass spread uniformly."""
+    total = counts.sum()
+    if not total:
+        return np.full(counts.size, 1.0 / counts.size)
+    d = np.where(counts > 0, discounts[np.clip(counts, 1, 3) - 1], 0.0)
+    return (counts - d) / total + d.sum() / total / counts.size
+
+
+def kneser_ney_level(level, counts, discounts, log_p_lower):
+    """(KneserNeyLevel, log P of each of its n-grams) of one order's n-grams with counts `counts` (all > 0) above
+    the order whose log P of each n-gram (for order 2: of each token) is log_p_lower."""
+    contexts = level.contexts
+    starts = np.flatnonzero(np.concatenate([[True], contexts[1:] != contexts[:-1]])) if contexts.size else \
+        np.zeros(0, np.int64)
+    row = np.repeat(np.arange(starts.size), np.diff(np.append(starts, contexts.size)))
+    d = discounts[np.minimum(counts, 3) - 1]
+    totals = np.add.reduceat(counts, starts).astype(np.float64) if starts.size else np.zeros(0)
+    backoff = np.add.reduceat(d, starts) / totals if starts.size else np.zeros(0)
+    lower = log_p_lower[level.suffixes]
+    corrections = np.log1p((counts - d) / totals[row] / (backoff[row] * np.exp(lower)))
+    log_backoff = np.log(backoff)
+    return (KneserNeyLevel(contexts[starts], np.append(starts, contexts.size), log_backoff, level.successors,
+                           corrections), log_backoff[row] + lower + corrections)
+
+
+def kneser_ney(unigrams, levels):
+    """The KneserNey model of count_ngrams' (unigrams, levels): counts over the vocabulary, orders 2 ... top."""
+    levels = list(levels)
+    continuation = np.bincount(levels[0].suffixes, minlength=unigrams.size)
+    discounts = [kneser_ney_discounts(continuation[continuation > 0])]
+    log_unigram = np.log(interpolated_unigram(continuation, discounts[0]))
+    log_p, model_levels = log_unigram, []
+    for n, level in enumerate(levels, start=2):
+        top = n == len(levels) + 1
+        counts = level.counts if top else np.bincount(levels[n - 1].suffixes, minlength=level.counts.size)
+        keep = counts > 0  # below the top, an n-gram seen only at a stream's start has no continuation: unseen
+        if not top:  # the order above indexes its suffixes among the n-grams kept here
+            levels[n - 1] = levels[n - 1]._replace(suffixes=(np.cumsum(keep) - 1)[levels[n - 1].suffixes])
+        level = NgramLevel(*(a[keep] for a in level[:3]), level.suffixes[keep])
+        discounts.append(kneser_ney_discounts(counts[keep]))
+        model_level, log_p = kneser_ney_level(level, counts[keep], discounts[-1], log_p)
+        model_levels.append(model_level)
+    return KneserNey(log_unigram, model_levels, np.array(discounts))
+
+
+def ngram_context_rows(contexts, tokens):
+    """(orders - 1, len(tokens)) int64: for each order n = 2, 3, ... (`contexts`: each order's sorted packed
+    contexts) the row of the context of each position's next token: the n - 1 tokens up to and including it,
+    or -1 where that context is unseen or not there. A context stops at the sequence's start and at a document
+    token (it may start with one): a micro-step piece, which starts at a document, sees the same contexts."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    fits = (tokens >> NGRAM_TOKEN_BITS) == 0  # a larger id (a model's vocabulary may reach it) was never counted
+    index, rows = np.arange(tokens.size), []
+    key, there = np.zeros(tokens.size, dtype=np.uint64), fits.copy()
+    for back, order_contexts in enumerate(contexts):  # the context's oldest token is `back` positions before
+        if back:
+            there[:back] = False
+            there[back:] &= fits[:-back] & (tokens[1: tokens.size + 1 - back] != BOS_ID)
+        key |= np.where(there, tokens[np.maximum(index - back, 0)], 0).astype(np.uint64) << np.uint64(
+            NGRAM_TOKEN_BITS * back)
+        at = np.searchsorted(order_contexts, key).clip(max=max(order_contexts.size - 1, 0))
+        found = there & (order_contexts[at] == key) if order_contexts.size else np.zeros(tokens.size, bool)
+        rows.append(np.where(found, at, -1))
+    return np.stack(rows) if rows else np.zeros((0, tokens.size), np.int64)
 
 
 def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512, topics=8):
@@ -1620,10 +1770,10 @@ class GPT(nn.Module):
         return norm(x)
 
     def loss(self, x, input_seq, target_seq, mtp_weights=None, loss_mask=None, prior=None):
-        """The head's loss on the trunk's output (plus a --bigram_prior's BigramPrior of the inputs): summed in
+        """The head's loss on the trunk's output (plus an --ngram_prior's NgramPrior of the inputs): summed in
         training (the step's mtp_weights, a piece's loss_mask), the mean next-token loss in evaluation (summed
         over a validation piece's loss_mask)."""
-        with_prior = {} if prior is None else dict(prior=prior, prev_tokens=input_seq)
+        with_prior = {} if prior is None else dict(prior=prior, prior_rows=prior.context_rows(input_seq))
         return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training, self.fp8_head_scales,
                               self.softcap, mtp_weights, loss_mask, **with_prior)
 
@@ -1634,10 +1784,10 @@ class GPT(nn.Module):
                          target_seq, mtp_weights, loss_mask, prior)
 
     def logits(self, input_seq, cu_seqlens, window_blocks, bigram_ids=None, prior=None):
-        """Softcapped fp32 logits (padded vocabulary, plus a BigramPrior's rows) of each position."""
+        """Softcapped fp32 logits (padded vocabulary, plus an NgramPrior's rows) of each position."""
         x = self.trunk(input_seq, cu_seqlens, window_blocks, bigram_ids)
         logits = softcapped(head_matmul(x, self.lm_head.weight, None), self.softcap)
-        return logits if prior is None else prior.add_to(logits, input_seq)
+        return logits if prior is None else prior.add_to(logits, prior.context_rows(input_seq))
 
     def follow_window(self, window_blocks):
         """YaRN for the (short, long) windows in blocks the next forwards use (see Rotary.follow_window)."""
@@ -2068,42 +2218,53 @@ class TiledWindowAttention:
         return local_window_attention(q, k, v, mask, scale)
 
 
-BIGRAM_PRIOR_DISCOUNT = 0.75  # the absolute discount of --bigram_prior (tools/ngram_baseline.py's default)
 PRIOR_PAD_LOG_PROB = -1e4  # the head's padding ids never occur: exp underflows to 0, and weight 0 still gives 0
 
 
-class BigramPrior:
-    """weight x log P(w | v) of tools/ngram_baseline.py's absolute-discount bigram model, stored as the
-    unigram's log row, a per-context offset and corrections on each context's seen successors (CSR by v)."""
+class NgramPrior:
+    """weight x log P(w | context) of a KneserNey model as torch rows: the dense lowest-order row, and for each
+    higher order its contexts' offsets (log back-off weights) and corrections on their seen successors (CSR)."""
 
-    def __init__(self, counts, weight, columns, discount=BIGRAM_PRIOR_DISCOUNT):
-        vocab = counts.unigrams.size
-        context, successor = np.divmod(counts.pairs, vocab)
-        distinct = np.bincount(context, minlength=vocab)  # n(v)
-        seen = np.bincount(context, weights=counts.pair_counts, minlength=vocab)  # c(v)
-        unigram = (counts.unigrams + 1) / (counts.unigrams.sum() + vocab)
-        # P(w | v) = d n(v) / c(v) * (P(w) + max(c(v, w) - d, 0) / (d n(v))) for a seen context v, else P(w): the
-        # back-off factor is the row's offset (kept so that rows stay <= 0 and exp cannot overflow), the rest
-        # is P(w) raised on v's successors
-        offset = np.log(discount * distinct / np.maximum(seen, 1), out=np.zeros(vocab), where=seen > 0)
-        correction = np.log1p((counts.pair_counts - discount) / (discount * distinct[context] * unigram[successor]))
-        log_unigram = np.full(columns, PRIOR_PAD_LOG_PROB)
-        log_unigram[:vocab] = np.log(unigram)
+    def __init__(self, model, weight, columns):
         as_tensor = lambda a: torch.tensor(weight * a, dtype=torch.float32)  # noqa: E731
-        self.log_unigram, self.offset, self.corrections = map(as_tensor, (log_unigram, offset, correction))
-        self.row_starts = torch.from_numpy(np.concatenate([[0], np.cumsum(distinct)]))
-        self.successors = torch.from_numpy(successor)
+        log_unigram = np.full(columns, PRIOR_PAD_LOG_PROB)
+        log_unigram[: model.log_unigram.size] = model.log_unigram
+        self.log_unigram = as_tensor(log_unigram)
+        self.contexts = [level.contexts for level in model.levels]
+        self.offsets = [as_tensor(level.log_backoff) for level in model.levels]
+        self.row_starts = [torch.from_numpy(level.row_starts) for level in model.levels]
+        self.successors = [torch.from_numpy(level.successors) for level in model.levels]
+        self.corrections = [as_tensor(level.corrections) for level in model.levels]
 
-    def add_to(self, logits, prev_tokens):
-        """logits (rows, columns) += the prior of the token after each of prev_tokens, in place; returns them."""
-        prev = prev_tokens.long()
-        logits.add_(self.log_unigram).add_(self.offset[prev, None])
-        starts, lengths = self.row_starts[prev], self.row_starts[prev + 1] - self.row_starts[prev]
-        row = torch.repeat_interleave(torch.arange(prev.numel()), lengths)
-        # entry i of the flattened successor lists is number i - (entries before its row) of its row
-        first = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths)
-        at = first + torch.arange(row.numel())
-        logits.view(-1).index_add_(0, row * logits.size(1) + self.successors[at], self.corrections[at])
+    @staticmethod
+    def bytes_bound(order, training_tokens, columns):
+        """At most nbytes() of an order-`order` prior of training_tokens tokens: each order above the first has
+        at most one context (key, offset, row start) and one n-gram (successor, correction) per token."""
+        return 4 * columns + (order - 1) * training_tokens * (8 + 4 + 8 + 8 + 4)
+
+    def nbytes(self):
+        tensors = [self.log_unigram, *self.offsets, *self.row_starts, *self.successors, *self.corrections]
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(c.nbytes for c in self.contexts)
+
+    def context_rows(self, tokens):
+        """(orders - 1, len(tokens)) int64 tensor: ngram_context_rows of a sequence's input tokens."""
+        return torch.from_numpy(ngram_context_rows(self.contexts, tokens.cpu().numpy()))
+
+    def add_to(self, logits, context_rows):
+        """logits (rows, columns) += the prior of the token after each row's context (context_rows' columns for
+        these rows), in place; returns them."""
+        logits.add_(self.log_unigram)
+        for rows, offsets, row_starts, successors, corrections in zip(
+                context_rows, self.offsets, self.row_starts, self.successors, self.corrections):
+            seen = torch.nonzero(rows >= 0).squeeze(1)
+            context = rows[seen]
+            logits[seen] += offsets[context, None]
+            starts, lengths = row_starts[context], row_starts[context + 1] - row_starts[context]
+            row = torch.repeat_interleave(seen, lengths)
+            # entry i of the flattened successor lists is number i - (entries before its row) of its row
+            first = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths)
+            at = first + torch.arange(row.numel())
+            logits.view(-1).index_add_(0, row * logits.size(1) + successors[at], corrections[at])
         return logits
 
 
@@ -2111,10 +2272,10 @@ SOFTCAP_CHUNK = 512  # rows of logits alive at once in the CPU loss
 
 
 def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, loss_mask=None, prior=None,
-                         prev_tokens=None):
+                         prior_rows=None):
     """Summed cross-entropy of the softcapped logits of x @ w.T (with mtp_weights: the multi-token
-    loss; with loss_mask: over its terms, as multi_token_loss; with a BigramPrior: plus its rows of
-    prev_tokens, each row's input token), SOFTCAP_CHUNK rows at a time; with_grads also forms d loss / d x
+    loss; with loss_mask: over its terms, as multi_token_loss; with an NgramPrior: plus its rows of the
+    contexts prior_rows, NgramPrior.context_rows of the inputs), SOFTCAP_CHUNK rows at a time; with_grads also forms d loss / d x
     and d loss / d w on the way.
     On CPU, eager elementwise passes over full (tokens, vocab) logits dominate; on GPU the compiled
     graph fuses them instead."""
@@ -2138,7 +2299,7 @@ def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, l
         # i.e. logits * (scale - logits) / (scale * SOFTCAP_WIDTH)
         slope = torch.rsub(logits, scale).mul_(logits) if with_grads else None
         if prior is not None:  # a constant: d loss / d logits keeps its form, with the softmax of the sum
-            prior.add_to(logits, prev_tokens[start: start + xc.size(0)])
+            prior.add_to(logits, prior_rows[:, start: start + xc.size(0)])
         picked = [logits[rows[: tk.numel()], tk] for _, tk in horizons]
         probs = logits.exp_()  # logits lie below scale (a prior's log-probabilities are <= 0): exp cannot overflow
         sum_exp = probs.sum(dim=1)
@@ -2168,9 +2329,9 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
     (tokens, vocab) tensor outlives one chunk."""
 
     @staticmethod
-    def forward(ctx, x, w, targets, softcap, mtp_weights, loss_mask, prior=None, prev_tokens=None):
+    def forward(ctx, x, w, targets, softcap, mtp_weights, loss_mask, prior=None, prior_rows=None):
         total, grad_x, grad_w = chunked_softcap_loss(x, w, targets, True, softcap, mtp_weights, loss_mask, prior,
-                                                     prev_tokens)
+                                                     prior_rows)
         ctx.save_for_backward(grad_x, grad_w)
         return total
 
@@ -2181,14 +2342,14 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
 
 
 def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None, loss_mask=None,
-                                  prior=None, prev_tokens=None):
+                                  prior=None, prior_rows=None):
     """softcap_cross_entropy for the CPU: same values, chunked (fp8_scales and the sigmoid's bf16
-    rounding are ignored: no FP8 on CPU, and the CPU path computes in fp32); also takes --bigram_prior."""
+    rounding are ignored: no FP8 on CPU, and the CPU path computes in fp32); also takes --ngram_prior."""
     if training:
-        return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights, loss_mask, prior, prev_tokens)
+        return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights, loss_mask, prior, prior_rows)
     if loss_mask is not None:  # a validation piece: its summed loss
-        return chunked_softcap_loss(x, weight, targets, False, softcap, None, loss_mask, prior, prev_tokens)[0]
-    return chunked_softcap_loss(x, weight, targets, False, softcap, prior=prior, prev_tokens=prev_tokens)[0] / x.size(0)
+        return chunked_softcap_loss(x, weight, targets, False, softcap, None, loss_mask, prior, prior_rows)[0]
+    return chunked_softcap_loss(x, weight, targets, False, softcap, prior=prior, prior_rows=prior_rows)[0] / x.size(0)
 
 
 CPU_POLAR_EXPRESS = dict(use_triton=False, dtype=torch.float32)
@@ -2211,9 +2372,9 @@ def backend_for(hp, device, accum=1, fp8_hardware=None, attention=None):
     if device.type != "cuda":
         uses_fp8(hp, device)
         return Backend(attention or TiledWindowAttention(), chunked_softcap_cross_entropy, None, False, False)
-    if hp.bigram_prior:
-        raise ConfigError("--bigram_prior needs the CPU loss path (the GPU losses add no prior); use --device cpu or "
-                          "--bigram_prior 0")
+    if hp.ngram_prior:
+        raise ConfigError("--ngram_prior needs the CPU loss path (the GPU losses add no prior); use --device cpu or "
+                          "--ngram_prior 0")
     fp8 = uses_fp8(hp, device, fp8_hardware)
     return Backend(attention or FlexWindowAttention(compile_kernel=not hp.compile), softcap_cross_entropy,
                    head_fp8_scales(hp.head_fp8_amax, accum) if fp8 else None, True, True)
@@ -3733,7 +3894,7 @@ def shard_difference(loader_state, files, fingerprints):
 
 def check_same_shards(path, loader_state, loader, force, log):
     """Refuse, unless --force, to resume on a training shard that is not the one of its name the checkpoint's run
-    read (the next batches, and the --bigram_prior counted from the shards, would not be that run's)."""
+    read (the next batches, and the --ngram_prior counted from the shards, would not be that run's)."""
     difference = shard_difference(loader_state, loader.files, loader.fingerprints)
     if difference and not force:
         raise DataError(f"{difference}; {path} continues only on the shards it was trained on: put that shard back, "
@@ -4255,15 +4416,19 @@ def check_batch_splits(hp, world_size, accum):
     tokens_per_rank(hp.val_batch_size, world_size, accum, what="--val_batch_size")
 
 
-def count_bigram_prior(hp, files, log=None):
-    """--bigram_prior's BigramPrior (as wide as the head: padded_vocab) from every training shard's counts (the
+def count_ngram_prior(hp, files, log=None):
+    """--ngram_prior's NgramPrior (as wide as the head: padded_vocab) from every training shard's counts (the
     trainer counts on the clock, and a resumed run counts again: the prior is not in checkpoints)."""
     began = time.perf_counter()
-    counts = count_bigrams([read_shard(path, hp.vocab_size) for path in files], hp.vocab_size)
+    unigrams, levels = count_ngrams([read_shard(path, hp.vocab_size) for path in files], hp.vocab_size,
+                                    hp.ngram_prior_order)
+    counted = time.perf_counter() - began
+    prior = NgramPrior(kneser_ney(unigrams, levels), hp.ngram_prior, padded_vocab(hp))
     if log is not None:
-        log(f"bigram prior: counted {int(counts.unigrams.sum()):,} training tokens ({counts.pairs.size:,} distinct "
-            f"bigrams) in {time.perf_counter() - began:.1f} s")
-    return BigramPrior(counts, hp.bigram_prior, padded_vocab(hp))
+        log(f"ngram prior: counted {int(unigrams.sum()):,} training tokens ({levels[-1].counts.size:,} distinct "
+            f"{hp.ngram_prior_order}-grams) in {counted:.1f} s, Kneser-Ney model in "
+            f"{time.perf_counter() - began - counted:.1f} s ({prior.nbytes() / 2**20:,.0f} MiB)")
+    return prior
 
 
 def open_data(hp, rank, world_size, device, accum, log):
@@ -4419,7 +4584,7 @@ class Trainer:
             self.log(f"validation: forwards of {val_chunk:,} tokens in pieces of "
                      f"{validation_piece_length(val_chunk, hp.micro_batch_tokens, self.val_context):,} positions (at most "
                      f"{hp.micro_batch_tokens} tokens, after {self.val_context:,} of context: the receptive field)")
-        self.prior = None  # --bigram_prior's BigramPrior, counted at the start of the timed loop
+        self.prior = None  # --ngram_prior's NgramPrior, counted at the start of the timed loop
         self.stats, self.clock = RunStats(self.device), TrainClock(self.device)
         self.profiler = StepProfiler(hp, self.run_id, self.total_steps, self.log)
         self.step, self.tokens_seen = 0, 0
@@ -4573,8 +4738,8 @@ class Trainer:
         val_losses, stopping = [], False
         self.loader.piece_counts[:] = 0  # the warm-up's pieces are not the run's
         self.clock.start()
-        if hp.bigram_prior:
-            self.prior = count_bigram_prior(hp, self.loader.files, self.log)
+        if hp.ngram_prior:
+            self.prior = count_ngram_prior(hp, self.loader.files, self.log)
         for step in range(self.step, self.total_steps + 1):
             last = step == self.total_steps
             plan = self.begin_step(step)

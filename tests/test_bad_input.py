@@ -114,8 +114,10 @@ BAD_FLAGS = [
     (["--micro_batch_tokens", "1"], "--micro_batch_tokens 1 is below 128, the smallest cap"),
     (["--micro_batch_tokens", "127"], "--micro_batch_tokens 127 is below 128"),
     # the loss was -inf or nan at step 0, and the message blamed the learning rates
-    (["--bigram_prior", "1e30"], "--bigram_prior 1e+30 is above 8.037"),
-    (["--bigram_prior", "8.04"], "--bigram_prior 8.04 is above 8.037"),
+    (["--ngram_prior", "1e30"], "--ngram_prior 1e+30 is above 8.037"),
+    (["--ngram_prior", "8.04"], "--ngram_prior 8.04 is above 8.037"),
+    (["--ngram_prior_order", "1"], "--ngram_prior_order must be in 2 ... 5"),
+    (["--ngram_prior_order", "6"], "--ngram_prior_order must be in 2 ... 5"),
 ]
 
 

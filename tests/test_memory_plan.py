@@ -5,6 +5,7 @@ one training step takes a few seconds on 2 cores."""
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,3 +100,23 @@ def test_plan_memory_prints_and_exits_without_training(tmp_path, capsys, monkeyp
     assert re.fullmatch(r"largest --micro_batch_tokens that fits --gpu_memory_gb 0\.05 \(0\.0 GiB usable\): .+", lines[-2])
     assert re.fullmatch(r"predicted peak per process: \d+\.\d\d GiB", lines[-1])
     assert not (tmp_path / "logs").exists()
+
+
+def test_the_cpu_plan_counts_the_ngram_priors_bytes(tmp_path, monkeypatch):
+    """The prior's bound (one context and one n-gram per training token and order above the first) is a row of
+    the CPU plan and part of its peak (shards said to hold 10^8 tokens: 9.6 GB, far above the 2-decimal
+    rounding of the printed GiB); it holds the prior of a real count (a tiny random shard's)."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 300, 5_000).astype(np.uint16)
+    tg.write_shard(tmp_path / "t_train_000001.bin", tokens)
+    hp = tg.parse_args(["--preset", "cpu", "--ngram_prior_order", "4", "--train_files", str(tmp_path / "t_*.bin")])
+    monkeypatch.setattr(pm, "shard_tokens", lambda path: 10 ** 8)
+    lines = pm.plan_report(hp, 1, 80.0)
+    bound = tg.NgramPrior.bytes_bound(4, 10 ** 8, tg.padded_vocab(hp))
+    row = [line for line in lines if "n-gram prior, at most (100,000,000 tokens)" in line]
+    assert len(row) == 1 and float(row[0].split()[-2]) == pytest.approx(bound / pm.GiB, abs=0.006), row
+    without = pm.plan_report(tg.dataclasses.replace(hp, ngram_prior=0.0), 1, 80.0)
+    peak = lambda ls: float(ls[-1].split()[-2])  # noqa: E731
+    assert peak(lines) == pytest.approx(peak(without) + bound / pm.GiB, abs=0.011)
+    prior = tg.NgramPrior(tg.kneser_ney(*tg.count_ngrams([tokens], hp.vocab_size, 4)), 1.0, tg.padded_vocab(hp))
+    assert 0 < prior.nbytes() <= tg.NgramPrior.bytes_bound(4, tokens.size, tg.padded_vocab(hp))

@@ -172,8 +172,8 @@ def test_decoder_logits_equal_the_full_forwards_at_every_position(tmp_path, flag
         for param in model.parameters():
             param.normal_(0, 0.3)
     rng = np.random.default_rng(0)
-    prior = tg.BigramPrior(tg.count_bigrams([rng.integers(0, 3000, 50_000)], hp.vocab_size), 0.5,
-                           model.lm_head.weight.size(0))
+    prior = tg.NgramPrior(tg.kneser_ney(*tg.count_ngrams([rng.integers(0, 3000, 50_000)], hp.vocab_size, 3)), 0.5,
+                          model.lm_head.weight.size(0))
     windows = (1, 2)  # short and long window in blocks of 64: 64 and 128 keys (rows of a paired stream)
     model.rotary.follow_window(1 * hp.window_block_tokens)
     model.rotary.follow_window(windows[1] * hp.window_block_tokens)  # YaRN: scaled frequencies
@@ -250,14 +250,14 @@ def test_bad_prompts_and_flags(tmp_path, capsys):
     assert code == 0 and "stopped at the model's 256-token document limit" in err, err
 
 
-def test_a_model_with_the_bigram_prior_samples_on_the_cpu(tmp_path, capsys, monkeypatch):
+def test_a_model_with_the_ngram_prior_samples_on_the_cpu(tmp_path, capsys, monkeypatch):
     """The prior is added on the CPU only: --device auto picks the CPU for such a model even where CUDA is
     present, --device cuda is one line (checked where CUDA is faked: the refusal comes before any CUDA call)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with_prior = tg.parse_args(list(map(str, tiny(tmp_path, "--bigram_prior", 1.0))))
+    with_prior = tg.parse_args(list(map(str, tiny(tmp_path, "--ngram_prior", 1.0))))
     assert sample.sampling_device("auto", with_prior).type == "cpu"
-    assert sample.sampling_device("auto", dataclasses.replace(with_prior, bigram_prior=0.0)).type == "cuda"
-    with pytest.raises(tg.ConfigError, match="--device cuda: the checkpoint's model adds --bigram_prior 1, which runs "
+    assert sample.sampling_device("auto", dataclasses.replace(with_prior, ngram_prior=0.0)).type == "cuda"
+    with pytest.raises(tg.ConfigError, match="--device cuda: the checkpoint's model adds --ngram_prior 1, which runs "
                                              "on the CPU only; use --device cpu or auto"):
         sample.sampling_device("cuda", with_prior)
 
@@ -345,9 +345,9 @@ def test_eval_of_too_few_tokens_is_one_line_and_rounding_is_said(untrained, tmp_
 
 
 def prior_checkpoint(folder, train):
-    """A checkpoint of a --bigram_prior model whose loader state names the training shard `train` (with its
+    """A checkpoint of a --ngram_prior model whose loader state names the training shard `train` (with its
     fingerprint, as the trainer records it)."""
-    return tiny_checkpoint(folder / "prior.pt", bigram_prior=1.0,
+    return tiny_checkpoint(folder / "prior.pt", ngram_prior=1.0,
                            loader=dict(shard=0, cursor=0, epoch=0, files=[str(train)],
                                        fingerprints=[tg.shard_fingerprint(train)]))
 
@@ -394,9 +394,19 @@ def test_moved_training_shards_are_found_with_train_files(tmp_path, capsys, monk
     assert code == 0 and out == right and err == "", (out, right, err)
     one_line_error(*run_sample([*argv, "--train_files", tmp_path / "nothing_*.bin"], capsys)[::2],
                    f"matches no {train.name} (one of the 1)")
-    relative = tiny_checkpoint(tmp_path / "relative.pt", bigram_prior=1.0,
+    relative = tiny_checkpoint(tmp_path / "relative.pt", ngram_prior=1.0,
                                loader=dict(files=["data/train_000001.bin"], fingerprints=[tg.shard_fingerprint(moved)]))
     monkeypatch.chdir(tmp_path)
     one_line_error(*run_sample([relative, "--eval", tmp_path / "val_*.bin"], capsys)[::2],
                    "data/train_000001.bin is not there (a path relative to the folder the training ran in); run from "
                    "that folder, or pass --train_files GLOB")
+
+
+def test_a_checkpoint_of_the_former_bigram_prior_is_refused():
+    """Its prior (the absolute-discount bigram) is gone from train_gpt.py: loading it with no prior would give
+    other numbers silently, so it is one line pointing at the run's own script."""
+    saved = dict(dataclasses.asdict(tg.Hyperparameters()), bigram_prior=1.0)
+    with pytest.raises(tg.DataError, match=r"^old\.pt: its model adds --bigram_prior 1, the absolute-discount "):
+        sample.checkpoint_hyperparameters("old.pt", {"hyperparameters": saved})
+    saved["bigram_prior"] = 0.0  # off: the same model as today's --ngram_prior 0
+    assert sample.checkpoint_hyperparameters("old.pt", {"hyperparameters": saved}).ngram_prior == 0

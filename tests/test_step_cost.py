@@ -343,7 +343,7 @@ def one_line_error(capsys, argv, env=None, monkeypatch=None):
 
 
 @pytest.mark.parametrize("argv, says", [(["--top", "-5"], "--top"), (["--bogus", "1"], "--bogus"),
-                                        (["--preset", "cpu"], "--bigram_prior 0"),
+                                        (["--preset", "cpu"], "--ngram_prior 0"),
                                         (["--reference", "/nonexistent/log.txt"], "no such file")])
 def test_bad_flags_get_one_line_errors(capsys, argv, says):
     assert says in one_line_error(capsys, argv)

@@ -32,15 +32,15 @@ def corpus(tmp_path_factory):
 
 def tiny(corpus, *extra):
     """The tiny configuration: 9 layers, dim 64, 2 heads x 32, 512 tokens per step, windows of
-    2/3/4 blocks of 64 tokens (YaRN at each stage change), final validation window 5 blocks; no bigram prior
-    (its own tests turn it on: tests/test_bigram_prior.py)."""
+    2/3/4 blocks of 64 tokens (YaRN at each stage change), final validation window 5 blocks; no n-gram prior
+    (its own tests turn it on: tests/test_ngram_prior.py)."""
     return ["--preset", "cpu", "--batch_sizes", "512", "512", "512", "--val_tokens", "1024",
             "--val_batch_size", "512", "--max_seq_len", "256", "--window_blocks", "2", "3", "4",
             "--extension_window_blocks", "4", "--final_val_window_blocks", "5", "--num_layers", "9",
             "--model_dim", "64", "--num_heads", "2", "--head_dim", "32", "--cpu_threads", "1",
             "--window_block_tokens", "64", "--grad_accum_base", "1", "--warmup_steps", "0",
             "--muon_momentum_warmup_steps", "20", "--muon_momentum_cooldown_steps", "5", "--adam_lr", "0.008",
-            "--bigram_prior", "0",
+            "--ngram_prior", "0",
             "--train_files", str(corpus / "synthetic_train_*.bin"), "--val_files", str(corpus / "synthetic_val_*.bin"),
             *map(str, extra)]
 

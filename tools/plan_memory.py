@@ -7,15 +7,24 @@ It traces one training step and one validation forward of rank 0 of $WORLD_SIZE 
 variable, as torchrun sets it, default 1; there is no --world_size flag) with fake tensors (shapes and dtypes,
 no data: no GPU is touched), counting every tensor storage while it lives: parameters, gradients, each
 optimizer's state, the activations a piece saves for the backward, the head's logits, the training and
+<<<<<<< HEAD
 validation peaks. On GPU paths it also names the largest --micro_batch_tokens under which both peaks fit
 --gpu_memory_gb (the validation runs in pieces of the same cap). The last line is always `predicted peak per
 process: X GiB` (one GPU's, on GPUs); under torchrun only rank 0 prints it, outside torchrun the plan is printed
 whatever $RANK says.
+=======
+validation peaks; on the CPU path with --ngram_prior, a bound on the prior's bytes from the training
+shards' token counts (their headers; the counting's own transient peak, about 3.4 GB for order 5 on 18 M
+tokens, comes before training and is not in it). On GPU paths it also names the largest --micro_batch_tokens whose
+peak fits --gpu_memory_gb. The last line is always `predicted peak per process: X GiB` (one GPU's, on GPUs);
+under torchrun only rank 0 prints it, outside torchrun the plan is printed whatever $RANK says.
+>>>>>>> h41
 Bad flags or environment variables are one line `plan_memory.py: error: ...` on stderr and exit status 2.
 """
 import contextlib
 import dataclasses
 import functools
+import glob
 import os
 import sys
 import warnings
@@ -29,10 +38,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt import (ATTN_BLOCK, BOS_ID, CPU_POLAR_EXPRESS, GPT, GPU_POLAR_EXPRESS, PIECE_CONTEXT_AFTER,  # noqa: E402
-                       Batch, ConfigError, DataError, NorMuon, Schedule, backend_for, bigram_hash, build_arg_parser,
+                       Batch, ConfigError, DataError, NgramPrior, NorMuon, Schedule, backend_for, bigram_hash, build_arg_parser,
                        check_batch_splits, describe_pieces, grad_accum_steps, hyperparameters_from, make_optimizers,
+<<<<<<< HEAD
                        micro_step_pieces, model_inputs, piece_inputs, process_place, receptive_field, tokens_per_rank,
                        validation_piece, validation_piece_length)
+=======
+                       micro_step_pieces, model_inputs, padded_vocab, piece_inputs, process_place, read_shard,
+                       SHARD_HEADER_INTS, tokens_per_rank)
+>>>>>>> h41
 
 PROG = "plan_memory.py"
 
@@ -281,6 +295,12 @@ class MemoryPlan:
         return low * PLAN_PIECE_STEP
 
 
+def shard_tokens(path):
+    """Tokens of a training shard, from its checked header and size (the body is not read)."""
+    read_shard(path, max_tokens=0)
+    return (os.path.getsize(path) - SHARD_HEADER_INTS * 4) // 2
+
+
 def plan_report(hp, world_size, gpu_memory_gb):
     """The lines this tool prints; the last reads 'predicted peak per process: X GiB' (one GPU's, on GPUs)."""
     gpu_path = hp.device != "cpu"
@@ -300,6 +320,15 @@ def plan_report(hp, world_size, gpu_memory_gb):
             (f"validation peak, {val_forward}", val_peak)]
     lines += [f"  {name:<44} {size / GiB:8.2f} GiB" for name, size in rows]
     peak = max(figures["peak"], val_peak)
+    if hp.ngram_prior and not gpu_path:
+        files = sorted(glob.glob(hp.train_files))
+        if files:  # the prior lives beside everything else from the first step on
+            tokens = sum(shard_tokens(f) for f in files)
+            prior = NgramPrior.bytes_bound(hp.ngram_prior_order, tokens, padded_vocab(hp))
+            lines.append(f"  {f'n-gram prior, at most ({tokens:,} tokens)':<44} {prior / GiB:8.2f} GiB")
+            peak += prior
+        else:
+            lines.append(f"  n-gram prior: not counted (no training shard matches {hp.train_files!r})")
     if gpu_path:
         budget = gpu_memory_gb * PLAN_USABLE_FRACTION * GiB
         cap = plan.largest_fitting_cap(budget)

@@ -17,7 +17,7 @@ checkpoint's --val_tokens; fewer if the shards hold fewer, and rounded down to w
 says) with the final validation's windows, in forwards of the trainer's size on one process: on the
 checkpoint's own validation shards it is the last val_loss of its log.
 
-A model trained with --bigram_prior adds a prior counted from its training shards, which are read again (the
+A model trained with --ngram_prior adds a prior counted from its training shards, which are read again (the
 prior is not in checkpoints): from where the training read them, or --train_files GLOB where they are now
 (matched by file name). The checkpoint records each shard's size and a sampled checksum; a shard that differs
 is one line naming it, unless --force (the prior, and with it every figure, would not be the model's).
@@ -68,7 +68,7 @@ def build_parser():
     parser.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens; 0: all (default: 50)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling, in [0, 2^63) (default: 0)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: CUDA when present, else CPU; a model with --bigram_prior runs on the CPU "
+                        help="auto: CUDA when present, else CPU; a model with --ngram_prior runs on the CPU "
                              "(default: auto)")
     parser.add_argument("--cpu_threads", type=int, default=1,
                         help="torch threads on CPU (default: 1; the model's operations are too small to share, and a "
@@ -79,7 +79,7 @@ def build_parser():
                         help="tokens to score with --eval, rounded down to whole forwards of the trainer's size "
                              "(default 0: the checkpoint's --val_tokens)")
     parser.add_argument("--train_files", metavar="GLOB",
-                        help="where the training shards of a --bigram_prior model are now, if they moved (matched by "
+                        help="where the training shards of a --ngram_prior model are now, if they moved (matched by "
                              "file name; default: where the training read them)")
     parser.add_argument("--force", action="store_true",
                         help="count the prior from training shards whose size or checksum differ from those the "
@@ -194,11 +194,15 @@ def read_model_state(path):
 def checkpoint_hyperparameters(path, snap):
     """The checkpoint's Hyperparameters; fields an older script did not have keep their defaults. A checkpoint
     of the previous recipe (RetieLMHead: saved with recipe "retie", or by a script from before recipe 89, which
-    had no MUDD) is refused."""
+    had no MUDD) is refused, and so is one of a --bigram_prior model (its prior is gone)."""
     saved = snap["hyperparameters"]
     if saved.get("recipe") == "retie" or "mudd_dim" not in saved:
         raise tg.DataError(f"{path}: written by the RetieLMHead recipe, which this train_gpt.py no longer has; "
                            f"sample it with the script of its run (python records/records.py extract LOG)")
+    if saved.get("bigram_prior"):
+        raise tg.DataError(f"{path}: its model adds --bigram_prior {saved['bigram_prior']:g}, the absolute-discount "
+                           f"bigram prior this train_gpt.py no longer has (--ngram_prior replaced it); sample it with "
+                           f"the script of its run (python records/records.py extract LOG)")
     values = tg.dataclasses.asdict(tg.Hyperparameters())
     known = set(values)
     values.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in known})
@@ -213,7 +217,7 @@ def training_shards(path, loader_state, hp, train_files):
     """The files of the checkpoint's training shards: where the training read them, or those of the same names
     that the glob train_files matches (--train_files: the shards moved)."""
     recorded = loader_state.get("files") or []
-    prior = f"its model adds --bigram_prior {hp.bigram_prior:g}, counted from its training shards"
+    prior = f"its model adds --ngram_prior {hp.ngram_prior:g}, counted from its training shards"
     if not recorded:
         raise tg.DataError(f"{path}: {prior}, but the checkpoint names none; was it written by train_gpt.py?")
     if train_files is not None:
@@ -233,37 +237,37 @@ def training_shards(path, loader_state, hp, train_files):
 
 
 def count_prior(path, snap, hp, train_files=None, force=False):
-    """--bigram_prior's BigramPrior: not model state, counted again from the run's training shards, as the
+    """--ngram_prior's NgramPrior: not model state, counted again from the run's training shards, as the
     trainer did; shards that are not those the run read (shard_fingerprint) are refused unless force."""
     state = snap.get("loader") or {}
     files = training_shards(path, state, hp, train_files)
     difference = tg.shard_difference(state, files, [tg.shard_fingerprint(f) for f in files])
     if difference and not force:
-        raise tg.DataError(f"{difference}, so the --bigram_prior counted from it is not {path}'s; put that shard "
+        raise tg.DataError(f"{difference}, so the --ngram_prior counted from it is not {path}'s; put that shard "
                            f"back, or pass --force to count it anyway")
     if difference:
         warn(f"{difference}; --force counts the prior from it")
     if not state.get("fingerprints"):
         warn(f"{path} records no checksums of its training shards (its script predates them): the prior is counted "
              f"from the shards as they are now, unchecked")
-    return tg.count_bigram_prior(hp, files)
+    return tg.count_ngram_prior(hp, files)
 
 
 def sampling_device(choice, hp):
     """--device's choice for this checkpoint: auto is CUDA when present, except for a model that adds
-    --bigram_prior (its prior is added on the CPU only, as in training)."""
-    if hp.bigram_prior and choice == "cuda":
-        raise tg.ConfigError(f"--device cuda: the checkpoint's model adds --bigram_prior {hp.bigram_prior:g}, which runs "
+    --ngram_prior (its prior is added on the CPU only, as in training)."""
+    if hp.ngram_prior and choice == "cuda":
+        raise tg.ConfigError(f"--device cuda: the checkpoint's model adds --ngram_prior {hp.ngram_prior:g}, which runs "
                              f"on the CPU only; use --device cpu or auto")
-    cuda = choice == "cuda" or (choice == "auto" and not hp.bigram_prior and torch.cuda.is_available())
+    cuda = choice == "cuda" or (choice == "auto" and not hp.ngram_prior and torch.cuda.is_available())
     return torch.device("cuda" if cuda else "cpu")
 
 
 def open_checkpoint(path, device_choice, train_files=None, force=False):
-    """(contents, Hyperparameters, model, its --bigram_prior's BigramPrior or None): the checkpoint checked as
+    """(contents, Hyperparameters, model, its --ngram_prior's NgramPrior or None): the checkpoint checked as
     train_gpt.load_checkpoint checks it (header, checksum, keys) and its model in eval mode, fp32, on the device
     of the --device choice (sampling_device),
-    with the CPU path's attention (any device), the rotary state (YaRN) of its step and, under --bigram_prior,
+    with the CPU path's attention (any device), the rotary state (YaRN) of its step and, under --ngram_prior,
     the prior of its training shards (count_prior, with train_files and force). The checksum of the whole file
     and the prior's counting run in threads while the model is built (on two cores that halves the start);
     nothing read is used before the checksum holds."""
@@ -273,7 +277,7 @@ def open_checkpoint(path, device_choice, train_files=None, force=False):
             snap = read_model_state(path)
             hp = checkpoint_hyperparameters(path, snap)
             device = sampling_device(device_choice, hp)
-            prior = pool.submit(count_prior, path, snap, hp, train_files, force) if hp.bigram_prior else None
+            prior = pool.submit(count_prior, path, snap, hp, train_files, force) if hp.ngram_prior else None
             model = tg.GPT(hp, tg.backend_for(hp, torch.device("cpu")))
         except Exception:
             check_checksum(path, *checksum.result())  # a damaged file is named as one, whatever broke its reading
@@ -352,7 +356,7 @@ class Decoder:
 
     @torch.no_grad()
     def append(self, new_ids):
-        """Softcapped fp32 logits (padded vocabulary, with the bigram prior) of the token after new_ids."""
+        """Softcapped fp32 logits (padded vocabulary, with the n-gram prior) of the token after new_ids."""
         model, start, lead = self.model, len(self.ids), int(bool(self.ids))
         self.ids = self.ids + list(new_ids)
         inputs = torch.tensor(self.ids[start - lead:], device=self.device)
@@ -363,7 +367,10 @@ class Decoder:
         stream = rows_after_the_first(stream) if lead else stream
         x = model.through_layers(stream, functools.partial(self.attend, start=start))[-1:]
         logits = tg.softcapped(x @ self.head, model.softcap)
-        return (logits if self.prior is None else self.prior.add_to(logits, inputs[-1:]))[0]
+        if self.prior is None:
+            return logits[0]
+        last = torch.tensor(self.ids[-len(self.prior.contexts):])  # an order-N prior's context: N - 1 tokens
+        return self.prior.add_to(logits, self.prior.context_rows(last)[:, -1:])[0]
 
     def attend(self, i, plan, x, added_v, xsa_alpha, start):
         """Layer.attend for positions start ... of the normed input x, over this layer's cached keys."""

@@ -739,9 +739,9 @@ def parse(argv):
         tg.check_batch_splits(hp, args.world_size, tg.grad_accum_steps(hp, args.world_size))
     except tg.ConfigError as e:
         parser.error(str(e))
-    if hp.bigram_prior:
-        parser.error(f"--bigram_prior {hp.bigram_prior:g} (--preset cpu sets it): the prior exists on the CPU path "
-                     "only and the ledger traces the GPU path (the trainer refuses it on a GPU): add --bigram_prior 0")
+    if hp.ngram_prior:
+        parser.error(f"--ngram_prior {hp.ngram_prior:g} (--preset cpu sets it): the prior exists on the CPU path "
+                     "only and the ledger traces the GPU path (the trainer refuses it on a GPU): add --ngram_prior 0")
     return args, hp
 
 
