@@ -7,18 +7,12 @@ It traces one training step and one validation forward of rank 0 of $WORLD_SIZE 
 variable, as torchrun sets it, default 1; there is no --world_size flag) with fake tensors (shapes and dtypes,
 no data: no GPU is touched), counting every tensor storage while it lives: parameters, gradients, each
 optimizer's state, the activations a piece saves for the backward, the head's logits, the training and
-<<<<<<< HEAD
-validation peaks. On GPU paths it also names the largest --micro_batch_tokens under which both peaks fit
---gpu_memory_gb (the validation runs in pieces of the same cap). The last line is always `predicted peak per
-process: X GiB` (one GPU's, on GPUs); under torchrun only rank 0 prints it, outside torchrun the plan is printed
-whatever $RANK says.
-=======
 validation peaks; on the CPU path with --ngram_prior, a bound on the prior's bytes from the training
 shards' token counts (their headers; the counting's own transient peak, about 3.4 GB for order 5 on 18 M
-tokens, comes before training and is not in it). On GPU paths it also names the largest --micro_batch_tokens whose
-peak fits --gpu_memory_gb. The last line is always `predicted peak per process: X GiB` (one GPU's, on GPUs);
-under torchrun only rank 0 prints it, outside torchrun the plan is printed whatever $RANK says.
->>>>>>> h41
+tokens, comes before training and is not in it). On GPU paths it also names the largest --micro_batch_tokens
+under which both peaks fit --gpu_memory_gb (the validation runs in pieces of the same cap). The last line is
+always `predicted peak per process: X GiB` (one GPU's, on GPUs); under torchrun only rank 0 prints it,
+outside torchrun the plan is printed whatever $RANK says.
 Bad flags or environment variables are one line `plan_memory.py: error: ...` on stderr and exit status 2.
 """
 import contextlib
@@ -40,13 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt import (ATTN_BLOCK, BOS_ID, CPU_POLAR_EXPRESS, GPT, GPU_POLAR_EXPRESS, PIECE_CONTEXT_AFTER,  # noqa: E402
                        Batch, ConfigError, DataError, NgramPrior, NorMuon, Schedule, backend_for, bigram_hash, build_arg_parser,
                        check_batch_splits, describe_pieces, grad_accum_steps, hyperparameters_from, make_optimizers,
-<<<<<<< HEAD
-                       micro_step_pieces, model_inputs, piece_inputs, process_place, receptive_field, tokens_per_rank,
-                       validation_piece, validation_piece_length)
-=======
                        micro_step_pieces, model_inputs, padded_vocab, piece_inputs, process_place, read_shard,
-                       SHARD_HEADER_INTS, tokens_per_rank)
->>>>>>> h41
+                       receptive_field, SHARD_HEADER_INTS, tokens_per_rank, validation_piece, validation_piece_length)
 
 PROG = "plan_memory.py"
 

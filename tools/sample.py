@@ -29,7 +29,6 @@ the GPT-2 vocabulary never writes its padding ids). Bad input (a missing, corrup
 prompt of only spaces, not UTF-8 or longer than the model takes, no encoding) is one line
 `sample.py: error: ...` on stderr and exit status 2.
 """
-import argparse
 import concurrent.futures
 import functools
 import glob
