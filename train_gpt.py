@@ -700,11 +700,18 @@ def piece_inputs(window, doc_lengths, start, stop, length, device, bigram_ids=No
     it; the padding is a document of its own with no loss; the rotary positions are the micro-step's."""
     ends = np.cumsum(doc_lengths)
     first = int((ends - doc_lengths)[np.searchsorted(ends, start - 1, side="right")]) if start else 0
-    before, tokens, total = start - first, stop - start, len(window) - 1
+    after = min(PIECE_CONTEXT_AFTER, len(window) - 1 - stop)
+    return context_piece(window, doc_lengths, first, start, stop, after, length, device, bigram_ids)
+
+
+def context_piece(window, doc_lengths, first, start, stop, after, length, device, bigram_ids=None):
+    """The Batch of the tokens [start, stop) of `window` led by their context [first, start), padded to `length`
+    positions: the loss on the piece's tokens only, their targets and `after` more on the positions after them,
+    document boundaries cut to [first, stop), the padding a document of its own, rotary positions from first."""
+    before, tokens = start - first, stop - start
     inputs = np.zeros(length, dtype=np.int64)  # padding: any token of every vocabulary
     inputs[: before + tokens] = window[first: stop]
     targets = np.full(length, NO_TARGET, dtype=np.int64)
-    after = min(PIECE_CONTEXT_AFTER, total - stop)
     targets[before: before + tokens + after] = window[start + 1: stop + 1 + after]
     loss_mask = np.zeros(length, dtype=bool)
     loss_mask[before: before + tokens] = True
@@ -905,26 +912,8 @@ def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accu
             yield [model_inputs(buf, lengths, device, ids)]
             continue
         length = validation_piece_length(n, max_piece_tokens, context)
-        yield [validation_piece(buf, lengths, start, min(start + max_piece_tokens, n), max(0, start - context), length,
-                                device, ids) for start in range(0, n, max_piece_tokens)]
-
-
-def validation_piece(window, doc_lengths, start, stop, first, length, device, bigram_ids=None):
-    """The Batch of the validation piece [start, stop) of `window` led by its context [first, start), padded to
-    `length` positions: targets and loss only on the piece's tokens."""
-    used = stop - first
-    inputs = np.zeros(length, dtype=np.int64)  # padding: any token of every vocabulary
-    inputs[:used] = window[first: stop]
-    targets = np.full(length, NO_TARGET, dtype=np.int64)
-    targets[start - first: used] = window[start + 1: stop + 1]
-    loss_mask = targets != NO_TARGET
-    ids = None
-    if bigram_ids is not None:
-        ids = np.full(length, bigram_ids[0], dtype=np.int32)  # the reserved row, as at position 0
-        ids[:used] = bigram_ids[first:stop]
-    doc_lengths = [*cut_lengths(doc_lengths, first, stop), length - used]
-    return to_device(inputs, targets, padded_cu_seqlens([n for n in doc_lengths if n], length), device, ids,
-                     np.arange(first, first + length), loss_mask)
+        yield [context_piece(buf, lengths, max(0, start - context), start, min(start + max_piece_tokens, n), 0, length,
+                             device, ids) for start in range(0, n, max_piece_tokens)]
 
 
 NGRAM_TOKEN_BITS = 16  # shards hold uint16 tokens: an n-gram key packs its tokens 16 bits each

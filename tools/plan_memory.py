@@ -33,9 +33,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt import (ATTN_BLOCK, BOS_ID, CPU_POLAR_EXPRESS, GPT, GPU_POLAR_EXPRESS, PIECE_CONTEXT_AFTER,  # noqa: E402
                        Batch, ConfigError, DataError, NgramPrior, NorMuon, Schedule, backend_for, bigram_hash, build_arg_parser,
-                       check_batch_splits, describe_pieces, grad_accum_steps, hyperparameters_from, make_optimizers,
+                       check_batch_splits, context_piece, describe_pieces, grad_accum_steps, hyperparameters_from, make_optimizers,
                        micro_step_pieces, model_inputs, padded_vocab, piece_inputs, process_place, read_shard,
-                       receptive_field, SHARD_HEADER_INTS, tokens_per_rank, validation_piece, validation_piece_length)
+                       receptive_field, SHARD_HEADER_INTS, tokens_per_rank, validation_piece_length)
 
 PROG = "plan_memory.py"
 
@@ -134,7 +134,7 @@ def plan_validation_batch(hp, tokens, length):
     window = np.full(tokens + 1, BOS_ID)
     bigram_ids = bigram_hash(window[:-1], hp.bigram_vocab_size) if hp.bigram_vocab_size else None
     context = length - hp.micro_batch_tokens
-    return validation_piece(window, [tokens], context, length, 0, length, torch.device("cpu"), bigram_ids)
+    return context_piece(window, [tokens], 0, context, length, 0, length, torch.device("cpu"), bigram_ids)
 
 
 def planned_model(hp, gpu_path, accum, attention=None):
