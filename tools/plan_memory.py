@@ -1,7 +1,7 @@
 """Memory plan: the predicted memory per GPU of a train_gpt.py run, without a GPU and without data.
 
     python tools/plan_memory.py [train_gpt flags] [--gpu_memory_gb G]
-    WORLD_SIZE=8 python tools/plan_memory.py --micro_batch_tokens 18304 --gpu_memory_gb 24
+    WORLD_SIZE=8 python tools/plan_memory.py --micro_batch_tokens 17664 --gpu_memory_gb 24
 
 It traces one training step and one validation forward of rank 0 of $WORLD_SIZE processes (the environment
 variable, as torchrun sets it, default 1; there is no --world_size flag) with fake tensors (shapes and dtypes,
