@@ -1906,13 +1906,23 @@ SOFTCAP_WIDTH = 7.5
 EVAL_HEAD_ROWS = 16384
 
 
+def round_to_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32, for finite x; the gradient passes
+    unchanged. Written on the bits because Inductor keeps a fused kernel's x.bfloat16().float() in fp32 and
+    skips the rounding (unless emulate_precision_casts), where record #89's loss kernel stores its sigmoid in
+    bf16 and reads that back. x + (rounded - x) is rounded exactly: the difference of two floats this close is exact."""
+    bits = x.detach().view(torch.int32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -0x10000).view(torch.float32)
+    return x + (rounded - x.detach())
+
+
 def softcapped(logits, softcap, training=False):
     z = logits.float()
     if softcap.offset:
         z = z + softcap.offset
     s = torch.sigmoid(z / SOFTCAP_WIDTH)
     if training and softcap.round_sigmoid:
-        s = s.bfloat16().float()
+        s = round_to_bf16(s)
     return softcap.scale * s
 
 
@@ -1977,7 +1987,7 @@ def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total
         z = z + softcap.offset
     s = torch.sigmoid(z / SOFTCAP_WIDTH)
     if softcap.round_sigmoid:
-        s = s.bfloat16().float()
+        s = round_to_bf16(s)
     capped = softcap.scale * s
     top = capped.amax(dim=-1, keepdim=True)
     lse = top + torch.exp(capped - top).sum(dim=-1, keepdim=True).log()
