@@ -16,6 +16,7 @@ import math
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1044,6 +1045,7 @@ class SmokePlan:
             raise ValueError(f"unknown check(s) {', '.join(unknown)}; the checks: {', '.join(c.name for c in checks)}")
         self.checks = [c for c in checks if only is None or c.name in only]
         self.done = set()  # the checks whose work has run (or been tried)
+        self.reported = set()  # ids of the errors whose traceback went to stderr
 
     def check(self, name):
         return next(c for c in self.all_checks if c.name == name)
@@ -1100,6 +1102,9 @@ class SmokePlan:
         try:
             detail, status = check.run(), "INFO" if check.info else "PASS"
         except Exception as e:  # noqa: BLE001 - a smoke test reports every failure and goes on
+            if not isinstance(e, CheckFailed) and id(e) not in self.reported:
+                self.reported.add(id(e))  # a phase's error fails each check after it: its traceback once
+                traceback.print_exception(e, file=sys.stderr)
             first = str(e).splitlines()[0] if str(e) else ""
             detail, status = (first if isinstance(e, CheckFailed) else f"{type(e).__name__}: {first}"), "FAIL"
         finally:
