@@ -2037,7 +2037,9 @@ class FP8SoftcapLoss(torch.autograd.Function):
         logits, x_f8, w_f8, targets, weights, masks = ctx.saved_tensors
         x_s, w_s, grad_s = ctx.scales
         n, vocab = logits.shape
-        grad_t = logits.new_empty((vocab, n), dtype=torch.float8_e5m2)  # the logits' gradient, transposed
+        # the logits' gradient, transposed; zeros, not empty: Inductor inlines an empty buffer's value as NaN,
+        # a float8 constant Triton 3.6 cannot build (its pieces all overwrite it, so the zeros cost nothing)
+        grad_t = logits.new_zeros((vocab, n), dtype=torch.float8_e5m2)
         grad_x = logits.new_empty((n, x_f8.size(1)))
         w_col = w_f8.T.contiguous().T  # _scaled_mm wants its second operand column-major
         scale = functools.partial(logits.new_tensor, dtype=torch.float32)
