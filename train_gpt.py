@@ -2253,19 +2253,25 @@ class NgramPrior:
 
     def add_to(self, logits, context_rows):
         """logits (rows, columns) += the prior of the token after each row's context (context_rows' columns for
-        these rows), in place; returns them."""
-        logits.add_(self.log_unigram)
+        these rows), in place; returns them. Two passes over the logits (the dense row, then each row's summed
+        context offsets) and one scatter-add of every order's corrections."""
+        shift = logits.new_zeros(logits.size(0))
+        index, values = [], []
         for rows, offsets, row_starts, successors, corrections in zip(
                 context_rows, self.offsets, self.row_starts, self.successors, self.corrections):
             seen = torch.nonzero(rows >= 0).squeeze(1)
             context = rows[seen]
-            logits[seen] += offsets[context, None]
+            shift.index_add_(0, seen, offsets[context])
             starts, lengths = row_starts[context], row_starts[context + 1] - row_starts[context]
             row = torch.repeat_interleave(seen, lengths)
             # entry i of the flattened successor lists is number i - (entries before its row) of its row
             first = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths)
             at = first + torch.arange(row.numel())
-            logits.view(-1).index_add_(0, row * logits.size(1) + successors[at], corrections[at])
+            index.append(row * logits.size(1) + successors[at])
+            values.append(corrections[at])
+        logits.add_(self.log_unigram).add_(shift[:, None])
+        if index:
+            logits.view(-1).index_add_(0, torch.cat(index), torch.cat(values))
         return logits
 
 
