@@ -2038,7 +2038,7 @@ class FP8SoftcapLoss(torch.autograd.Function):
         x_s, w_s, grad_s = ctx.scales
         n, vocab = logits.shape
         # the logits' gradient, transposed; zeros, not empty: Inductor inlines an empty buffer's value as NaN,
-        # a float8 constant Triton 3.6 cannot build (its pieces all overwrite it, so the zeros cost nothing)
+        # a float8 constant Triton 3.6 cannot build (the fill costs one write of the buffer)
         grad_t = logits.new_zeros((vocab, n), dtype=torch.float8_e5m2)
         grad_x = logits.new_empty((n, x_f8.size(1)))
         w_col = w_f8.T.contiguous().T  # _scaled_mm wants its second operand column-major
