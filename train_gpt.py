@@ -223,7 +223,7 @@ PRESETS = {
         synthetic_fallback=True, val_tokens=65_536, val_batch_size=8_192, num_layers=9, num_heads=2, head_dim=64,
         model_dim=128, num_scheduled_iterations=132, num_extension_iterations=4, batch_sizes=(2048, 3072, 4096),
         max_seq_len=1024, grad_accum_base=1, window_blocks=(2, 4, 6), extension_window_blocks=7,
-        final_val_window_blocks=8, muon_momentum_warmup_steps=20, muon_momentum_cooldown_steps=5, adam_lr=0.02,
+        final_val_window_blocks=8, muon_momentum_warmup_steps=20, muon_momentum_cooldown_steps=5, adam_lr=0.005, muon_lr=0.00575,
         val_loss_every=44, warmup_steps=0, bigram_dim=32,
         # the layer lists count from the end after the attention-free layer, so other depths keep the layout
         paired_head_layers=(0, 4, -2), xsa_layers=(1, 2, 3, -3, -1), value_embed_layers=(1, 2, -3, -2, -1),
