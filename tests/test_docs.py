@@ -127,8 +127,8 @@ def test_link_checks_can_fail(tmp_path):
 
 
 QUICKSTART = re.compile(r"## Quickstart.*?```bash\n.*?(\./run\.sh [^\n]*)\n", re.S)
-# the README's sentence on what the quickstart shows, e.g. "falls from **2.79** at step 0 to **1.81** at step 34"
-QUICKSTART_LOSSES = re.compile(r"falls\s+from\s+\*\*(\d+\.\d+)\*\*\s+at\s+step\s+0\s+"
+# the README's sentence on what the quickstart shows, e.g. "goes from **1.08** at step 0 to **1.10** at step 34"
+QUICKSTART_LOSSES = re.compile(r"goes\s+from\s+\*\*(\d+\.\d+)\*\*\s+at\s+step\s+0\s+"
                                r"to\s+\*\*(\d+\.\d+)\*\*\s+at\s+step\s+(\d+)")
 VAL_LINE = re.compile(r"^step:(\d+)/\d+ val_loss:(\d+\.\d+) ", re.M)
 
@@ -140,14 +140,14 @@ def test_readme_quickstart_ends_where_the_readme_says(tmp_path):
     losses the README states. A README left behind by a change to the cpu preset fails here.
     Error model: at a fixed thread count the run is deterministic; another thread count or machine sums fp32 in
     another order, which 34 steps of training can amplify. Measured (2 shared cores): --cpu_threads 1 and 2 (the
-    default here) print the same val losses to all 4 decimals at steps 0, 10, 20, 30 and 34 (2.7903 ... 1.8145),
+    default here) printed the same val losses to all 4 decimals at steps 0, 10, 20, 30 and 34 (the order-2 preset's 2.7903 ... 1.8145),
     so that spread is below 0.0001. The README states two decimals (rounding: up to 0.005 off); a further 0.005
     for the summation order is 50 times the measured spread, and far below what a change to the cpu preset moves
     (without the prior, step 0 is near ln 50,304 = 10.83)."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     command = QUICKSTART.search(readme)
     stated = QUICKSTART_LOSSES.search(readme)
-    assert command and stated, "README: the quickstart's ./run.sh command or its 'falls from ... to ...' sentence moved"
+    assert command and stated, "README: the quickstart's ./run.sh command or its 'goes from ... to ...' sentence moved"
     for name in ("run.sh", "train_gpt.py"):
         shutil.copy2(ROOT / name, tmp_path / name)
     env = {k: v for k, v in os.environ.items() if k not in ("DATA_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
