@@ -267,7 +267,7 @@ def logged_run(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("extra,edit,needles", [
-    (["--muon_lr", "0.05"], "", ["mine.txt was written with --muon_lr 0.023 but this run has --muon_lr 0.05", "is taken"]),
+    (["--muon_lr", "0.05"], "", ["mine.txt was written with --muon_lr 0.00575 but this run has --muon_lr 0.05", "is taken"]),
     (["--seed", "1"], "", ["--seed 0 but this run has --seed 1", "is taken"]),
     ([], "script", ["written by a different train_gpt.py", "is taken"]),
     ([], "finished", ["the run 'mine' has finished"]),
