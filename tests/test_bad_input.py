@@ -505,7 +505,7 @@ def checkpoint(corpus, tmp_path_factory):
     (["--num_layers", "10"], ["--num_layers 9", "--num_layers 10"]),
     (["--model_dim", "128", "--num_heads", "2", "--head_dim", "64"], ["--model_dim 64", "--model_dim 128"]),
     (["--batch_sizes", "1024", "1024", "1024"], ["--batch_sizes 512 512 512", "--batch_sizes 1024 1024 1024", "--force"]),
-    (["--muon_lr", "0.05"], ["--muon_lr 0.023", "--muon_lr 0.05", "--force"]),
+    (["--muon_lr", "0.05"], ["--muon_lr 0.00575", "--muon_lr 0.05", "--force"]),
     (["--num_scheduled_iterations", "1"], ["at step 2, past this run's last step 1"]),
 ])
 def test_resume_refuses_what_it_cannot_continue(corpus, tmp_path, capsys, checkpoint, extra, needles):
