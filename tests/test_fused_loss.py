@@ -126,6 +126,17 @@ def composition_order(logits, targets, weights, softcap, grad_total, grad_s):
     return (g * (1 - s) * s / tg.SOFTCAP_WIDTH).bfloat16().float().div(grad_s).to(torch.float8_e5m2)
 
 
+def logit_gradient_case(seed, rows, vocab):
+    """Random bf16 logits and targets at the record's softcap, MTP weights and 8-GPU gradient scale:
+    (logits, targets, weights, softcap, grad_total, grad_s) for softcap_loss_grad."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 6).bfloat16()
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    softcap = tg.Softcap(23.0, 5.0, round_sigmoid=True)
+    grad_s = tg.head_fp8_scales((100.0, 1.6, 0.75), 8)[2]
+    return logits, targets, torch.tensor([1.0, 0.5, 0.25]), softcap, torch.tensor(0.125), grad_s
+
+
 def test_logit_gradient_follows_the_kernels_order_of_rounding():
     """The fused loss's e5m2 logit gradient against a float64 formula of record #89's kernel's order of
     rounding (tools/smoke_checks.py's, which the GPU smoke test runs at the record's shape), on random logits at the record's softcap, MTP weights and gradient scale. Error model: the
@@ -134,13 +145,8 @@ def test_logit_gradient_follows_the_kernels_order_of_rounding():
     to 2^-2 relative): about 2e-5 of the entries, and the bf16 rounding of the sigmoid flips at about 2^-16;
     1e-3 bounds both with a margin of 50. The composition's order (autograd's, the old fused loss's) differs in
     about 1 % of the entries (issue 39 measured 1.3 % at the record's shape), so the test tells them apart."""
-    g = torch.Generator().manual_seed(39)
-    rows, vocab = 256, 8192
-    logits = (torch.randn(rows, vocab, generator=g) * 6).bfloat16()
-    targets = torch.randint(0, vocab, (rows,), generator=g)
-    weights = torch.tensor([1.0, 0.5, 0.25])
-    softcap = tg.Softcap(23.0, 5.0, round_sigmoid=True)
-    grad_total, grad_s = torch.tensor(0.125), tg.head_fp8_scales((100.0, 1.6, 0.75), 8)[2]
+    logits, targets, weights, softcap, grad_total, grad_s = logit_gradient_case(39, rows=256, vocab=8192)
+    rows = logits.size(0)
     want = sc.kernel_order_logit_grad(logits, targets, weights, softcap, grad_total.item(), grad_s)
     got = tg.softcap_loss_grad(logits, targets, weights, softcap, 0, rows, grad_total, grad_s)
     old = composition_order(logits, targets, weights, softcap, grad_total, grad_s)
@@ -174,14 +180,8 @@ def test_compiled_logit_gradient_keeps_the_bf16_sigmoid():
     rounding; the GPU smoke test measured the compiled logit gradient 8.9 % off the kernel's order that way. With
     the sigmoid rounded on its bits (round_to_bf16) the compiled softcap_loss_grad is the eager one, bit for bit,
     and so is the compiled training softcap."""
-    g = torch.Generator().manual_seed(41)
-    rows, vocab = 64, 2048
-    logits = (torch.randn(rows, vocab, generator=g) * 6).bfloat16()
-    targets = torch.randint(0, vocab, (rows,), generator=g)
-    weights = torch.tensor([1.0, 0.5, 0.25])
-    softcap = tg.Softcap(23.0, 5.0, round_sigmoid=True)
-    grad_total, grad_s = torch.tensor(0.125), tg.head_fp8_scales((100.0, 1.6, 0.75), 8)[2]
-    args = (logits, targets, weights, softcap, 0, rows, grad_total, grad_s)
+    logits, targets, weights, softcap, grad_total, grad_s = logit_gradient_case(41, rows=64, vocab=2048)
+    args = (logits, targets, weights, softcap, 0, logits.size(0), grad_total, grad_s)
     compiled = torch.compile(tg.softcap_loss_grad, backend="inductor", fullgraph=True)
     got, want = compiled(*args), tg.softcap_loss_grad(*args)
     assert (want.float() != 0).float().mean() > 0.5
