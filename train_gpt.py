@@ -2620,6 +2620,10 @@ class ScheduledOptimizer:
     def finish(self):
         """(Nothing left to wait for.)"""
 
+    def exact_weights(self):
+        """Make every rank's parameters the exact weights (collective; before a checkpoint snapshot): an
+        optimizer that sends its new weights rounded keeps the exact ones on the rank that owns them."""
+
     def step(self):
         self.reduce_grads()
         self.update()
@@ -2640,14 +2644,18 @@ class NorMuon(ScheduledOptimizer):
     receives its gradients by reduce-scatter, updates them, and all-gathers the new weights. A stack
     of at least two matrices per rank is split in two groups. step() starts every group's
     reduce-scatter, then updates the groups smallest first, so each group's Polar Express overlaps the
-    later groups' communication. Gradients, momentum and second moments keep the parameter's dtype
-    (fp32 matrices; bf16 gates on GPU), as in the reference. `polar` holds polar_express's options:
-    GPU_POLAR_EXPRESS, or CPU_POLAR_EXPRESS on a CPU.
+    later groups' communication. Momentum and second moments keep the parameter's dtype (fp32 matrices;
+    bf16 gates on GPU), as in the reference. `polar` holds polar_express's options: GPU_POLAR_EXPRESS, or
+    CPU_POLAR_EXPRESS on a CPU. `wire_dtype` (bf16 on the GPU path, as the reference's bf16 parameters
+    travel; None: the parameter's dtype) is the dtype gradients and new weights travel in between ranks:
+    a rank owns the exact fp32 weights of its chunk and holds the others rounded, which the forward's
+    bf16 casts and FP8 copies cannot tell apart; exact_weights() gathers the exact ones for a snapshot.
     """
 
-    def __init__(self, params, lr, weight_decay, momentum, beta2, polar=GPU_POLAR_EXPRESS, compile_math=False):
+    def __init__(self, params, lr, weight_decay, momentum, beta2, polar=GPU_POLAR_EXPRESS, compile_math=False,
+                 wire_dtype=None):
         self.rank, self.world_size = world_info()
-        self.polar = polar
+        self.polar, self.wire_dtype = polar, wire_dtype
         # the pointwise math compiled (fused) on the GPU, as the reference's is
         self.normalize = torch.compile(normalize_variance, dynamic=False) if compile_math else normalize_variance
         self.apply_update = torch.compile(cautious_update, dynamic=False) if compile_math else cautious_update
@@ -2685,17 +2693,22 @@ class NorMuon(ScheduledOptimizer):
         start = self.rank * group["chunk"]
         return start, start + group["chunk"], max(0, min(len(group["params"]), start + group["chunk"]) - start)
 
-    def _stack(self, tensors, group):
+    def _stack(self, tensors, group, dtype=None):
         shape = group["params"][0].shape
-        out = torch.zeros(group["chunk"] * self.world_size, *shape, dtype=tensors[0].dtype, device=tensors[0].device)
-        torch.stack(tensors, out=out[: len(tensors)])
+        out = torch.zeros(group["chunk"] * self.world_size, *shape, dtype=dtype or tensors[0].dtype,
+                          device=tensors[0].device)
+        torch.stack([t.to(out.dtype) for t in tensors], out=out[: len(tensors)])
         return out
+
+    def _wire(self, group):
+        """The dtype a group's gradients and new weights travel in."""
+        return self.wire_dtype if self.wire_dtype is not None else group["params"][0].dtype
 
     def _reduce(self, group):
         """Start the reduce-scatter (AVG) of a group's stacked gradients: (this rank's chunk, handle)."""
-        grads = self._stack([p.grad for p in group["params"]], group)
         if self.world_size == 1:
-            return grads, None
+            return self._stack([p.grad for p in group["params"]], group), None
+        grads = self._stack([p.grad for p in group["params"]], group, self._wire(group))
         local = grads.new_empty(group["chunk"], *grads.shape[1:])
         return local, dist.reduce_scatter_tensor(local, grads, op=dist.ReduceOp.AVG, async_op=True)
 
@@ -2711,21 +2724,42 @@ class NorMuon(ScheduledOptimizer):
         for group, (local, handle) in zip(self.param_groups, pending):
             if handle is not None:
                 handle.wait()
-            new_weights = self._update_chunk(group, local)
+            new_weights = self._update_chunk(group, local.to(group["params"][0].dtype))
             if self.world_size > 1:
-                full = new_weights.new_empty(group["chunk"] * self.world_size, *new_weights.shape[1:])
-                self._gathers.append((group, full, dist.all_gather_into_tensor(full, new_weights, async_op=True)))
+                sent = new_weights.to(self._wire(group))
+                full = sent.new_empty(group["chunk"] * self.world_size, *sent.shape[1:])
+                handle = dist.all_gather_into_tensor(full, sent, async_op=True)
+                self._gathers.append((group, full, handle, new_weights if sent.dtype != new_weights.dtype else None))
             else:
-                self._gathers.append((group, new_weights, None))
+                self._gathers.append((group, new_weights, None, None))
 
     @torch.no_grad()
     def finish(self):
         gathers, self._gathers = self._gathers, []
-        for group, full, handle in gathers:
+        for group, full, handle, exact in gathers:
             if handle is not None:
                 handle.wait()
             for p, new in zip(group["params"], full):
                 p.copy_(new)
+            if exact is not None:  # this rank's chunk: the exact weights, not their rounding
+                start, _, n_real = self._owned(group)
+                for p, new in zip(group["params"][start: start + n_real], exact):
+                    p.copy_(new)
+
+    @torch.no_grad()
+    def exact_weights(self):
+        if self.world_size == 1:
+            return
+        for group in self.param_groups:
+            if self._wire(group) == group["params"][0].dtype:
+                continue
+            start, _, n_real = self._owned(group)
+            local = torch.zeros(group["chunk"], *group["params"][0].shape, dtype=group["params"][0].dtype,
+                                device=group["params"][0].device)
+            for i, p in enumerate(group["params"][start: start + n_real]):
+                local[i] = p
+            for p, exact in zip(group["params"], gather_chunks(local, self.world_size)):
+                p.copy_(exact)
 
     def _update_chunk(self, group, grad):
         """Steps 1-5 of NorMuon on this rank's chunk (consumed in place); returns the chunk's new weights."""
@@ -3103,8 +3137,10 @@ def make_optimizers(model, hp, compile_math=None):
     if hp.matrix_optimizer != "normuon":
         return make_track3_optimizer(hp.matrix_optimizer, matrix_params, hp), adam
     on_cpu = model.lm_head.weight.device.type == "cpu"
+    gpu_path = model.lm_head.weight.dtype == torch.bfloat16  # the GPU backend's bf16 head (also in the tools' traces)
     return NorMuon(matrix_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2,
-                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS, compile_math=compile_math), adam
+                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS, compile_math=compile_math,
+                   wire_dtype=torch.bfloat16 if gpu_path else None), adam
 
 
 def step_optimizers(plan, matrix_opt, adam):
@@ -4662,6 +4698,7 @@ class Trainer:
 
     def snapshot(self):
         """Everything a bit-exact continuation needs (collective when distributed)."""
+        self.matrix_opt.exact_weights()
         return dict(
             step=self.step, training_time_ms=self.clock.ms, tokens_seen=self.tokens_seen,
             model={k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in self.model.state_dict().items()},

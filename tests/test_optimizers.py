@@ -566,6 +566,82 @@ def test_bucketed_distadam_equals_one_collective_per_parameter():
     assert all(torch.equal(a, b) for a, b in zip(results[0][100][0], results[1][100][0]))
 
 
+def _wire_worker(rank, world_size, port, out_dir):
+    """NorMuon with its gradients and new weights sent in bf16 (the GPU path) beside the same steps sent in
+    fp32: on gradients the same on both ranks and bf16-exact (their average is exact in either dtype), and
+    on gradients that differ by rank. Records the parameters after each step, then after exact_weights(),
+    and the dtypes of the tensors each collective sent."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    try:
+        sent, result = [], {}
+        for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):
+            def recording(out, tensor, *args, _original=getattr(dist, name), **kwargs):
+                sent.append(tensor.dtype)
+                return _original(out, tensor, *args, **kwargs)
+            setattr(dist, name, recording)
+        grads = {"same": lambda step, i, shape: rank_grad(0, step, i, shape).bfloat16().float(),
+                 "by_rank": lambda step, i, shape: rank_grad(rank, step, i, shape)}
+        for kind, grad_fn in grads.items():
+            for wire in (None, torch.bfloat16):
+                params = muon_params()
+                muon = tg.NorMuon(params, **MUON_HP, wire_dtype=wire)
+                sent.clear()
+                steps = []
+                for step in range(3):
+                    for i, p in enumerate(params):
+                        p.grad = grad_fn(step, i, p.shape)
+                    muon.step()
+                    muon.zero_grad()
+                    steps.append(clone_all(params))
+                stepped = set(sent)
+                muon.exact_weights()
+                owned = set()
+                for group in muon.param_groups:
+                    start, _, n_real = muon._owned(group)
+                    owned |= {id(p) for p in group["params"][start: start + n_real]}
+                result[kind, wire] = dict(steps=steps, exact=clone_all(params), sent=stepped,
+                                          owned=[id(p) in owned for p in params])
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_normuon_sends_bf16_and_keeps_the_exact_weights_where_they_are_owned():
+    """On 2 gloo processes: with wire_dtype bf16 both collectives send bf16; a rank holds the exact weights of
+    the parameters it owns and the others rounded to bf16 (so every rank's forward, which casts the weights to
+    bf16, sees the same weights), and exact_weights() makes every rank's parameters exact. On bf16-exact
+    gradients equal across ranks the average is exact, so the exact weights are bit-identical to fp32's."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_wire_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
+    start = muon_params()
+    for rank, result in enumerate(results):
+        assert result["same", None]["sent"] == {torch.float32}
+        assert result["same", torch.bfloat16]["sent"] == {torch.bfloat16}
+        owned = result["same", torch.bfloat16]["owned"]
+        assert any(owned) and not all(owned), owned  # each rank owns some parameters, not all
+        fp32, bf16 = result["same", None], result["same", torch.bfloat16]
+        for step in range(3):
+            for exact, got, is_owned, p0 in zip(fp32["steps"][step], bf16["steps"][step], owned, start):
+                assert not torch.equal(exact, p0.detach()), p0.label
+                expected = exact if is_owned else exact.bfloat16().float()
+                assert torch.equal(got, expected), (rank, step, p0.label, is_owned)
+        assert all(torch.equal(a, b) for a, b in zip(fp32["exact"], bf16["exact"])), rank
+    for kind in ("same", "by_rank"):  # the ranks agree on the weights the forward sees, and after exact_weights()
+        r0, r1 = results[0][kind, torch.bfloat16], results[1][kind, torch.bfloat16]
+        for a, b in zip(r0["steps"][-1], r1["steps"][-1]):
+            assert torch.equal(a.bfloat16(), b.bfloat16())
+        assert all(torch.equal(a, b) for a, b in zip(r0["exact"], r1["exact"]))
+    # rank-dependent gradients averaged in bf16: 3 steps of at most lr x lr_mul x sqrt(3) = 0.17 each, in a
+    # direction the gradient's bf16 rounding (2^-8) moves by well under 4 % (Polar Express may amplify it along
+    # the smallest singular directions): within 3 x 0.17 x 0.04 = 0.02
+    for a, b in zip(results[0]["by_rank", None]["exact"], results[0]["by_rank", torch.bfloat16]["exact"]):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
 # ----------------------------------------------------------------------------------------------
 # Parameter coverage
 
@@ -597,6 +673,17 @@ def test_optimizers_cover_record_model_exactly_once():
     scalars = [p for g in adam.param_groups for p in g["params"] if p.label == "scalars"]
     assert len(scalars) == 1 and (scalars[0].lr_mul, scalars[0].wd_mul) == (5.0, 0.0)
 
+
+
+def test_normuon_sends_bf16_on_the_gpu_path_only():
+    """make_optimizers picks NorMuon's wire dtype from the backend the model was built with: bf16 for the GPU
+    path (bf16 head), the parameters' own dtype on the CPU path (whose losses stay bit-identical)."""
+    hp = tg.parse_args([])
+    with torch.device("meta"):
+        gpu = tg.GPT(hp, tg.backend_for(hp, torch.device("cuda"), fp8_hardware=True, attention=tg.TiledWindowAttention()))
+        cpu = tg.build_model(hp, torch.device("meta"))
+    assert tg.make_optimizers(gpu, hp, compile_math=False)[0].wire_dtype == torch.bfloat16
+    assert tg.make_optimizers(cpu, hp, compile_math=False)[0].wire_dtype is None
 
 # ----------------------------------------------------------------------------------------------
 # Schedules of the record, expected values by hand (every step is compared with re-implementations of the
