@@ -2693,6 +2693,18 @@ class NorMuon(ScheduledOptimizer):
         start = self.rank * group["chunk"]
         return start, start + group["chunk"], max(0, min(len(group["params"]), start + group["chunk"]) - start)
 
+    def _owned_params(self, group):
+        start, _, n_real = self._owned(group)
+        return group["params"][start: start + n_real]
+
+    def _owned_weights(self, group, dtype):
+        """This rank's chunk of a group's weights in `dtype` (zero-padded to the chunk)."""
+        params, first = self._owned_params(group), group["params"][0]
+        out = torch.zeros(group["chunk"], *first.shape, dtype=dtype, device=first.device)
+        if params:
+            torch.stack([p.to(dtype) for p in params], out=out[: len(params)])
+        return out
+
     def _stack(self, tensors, group, dtype=None):
         shape = group["params"][0].shape
         out = torch.zeros(group["chunk"] * self.world_size, *shape, dtype=dtype or tensors[0].dtype,
@@ -2706,9 +2718,9 @@ class NorMuon(ScheduledOptimizer):
 
     def _reduce(self, group):
         """Start the reduce-scatter (AVG) of a group's stacked gradients: (this rank's chunk, handle)."""
+        grads = self._stack([p.grad for p in group["params"]], group, self._wire(group) if self.world_size > 1 else None)
         if self.world_size == 1:
-            return self._stack([p.grad for p in group["params"]], group), None
-        grads = self._stack([p.grad for p in group["params"]], group, self._wire(group))
+            return grads, None
         local = grads.new_empty(group["chunk"], *grads.shape[1:])
         return local, dist.reduce_scatter_tensor(local, grads, op=dist.ReduceOp.AVG, async_op=True)
 
@@ -2742,8 +2754,7 @@ class NorMuon(ScheduledOptimizer):
             for p, new in zip(group["params"], full):
                 p.copy_(new)
             if exact is not None:  # this rank's chunk: the exact weights, not their rounding
-                start, _, n_real = self._owned(group)
-                for p, new in zip(group["params"][start: start + n_real], exact):
+                for p, new in zip(self._owned_params(group), exact):
                     p.copy_(new)
 
     @torch.no_grad()
@@ -2753,18 +2764,14 @@ class NorMuon(ScheduledOptimizer):
         for group in self.param_groups:
             if self._wire(group) == group["params"][0].dtype:
                 continue
-            start, _, n_real = self._owned(group)
-            local = torch.zeros(group["chunk"], *group["params"][0].shape, dtype=group["params"][0].dtype,
-                                device=group["params"][0].device)
-            for i, p in enumerate(group["params"][start: start + n_real]):
-                local[i] = p
+            local = self._owned_weights(group, group["params"][0].dtype)
             for p, exact in zip(group["params"], gather_chunks(local, self.world_size)):
                 p.copy_(exact)
 
     def _update_chunk(self, group, grad):
         """Steps 1-5 of NorMuon on this rank's chunk (consumed in place); returns the chunk's new weights."""
-        start, stop, n_real = self._owned(group)
-        params = group["params"][start: start + n_real]
+        start, stop, _ = self._owned(group)
+        params = self._owned_params(group)
         if group["momentum_buffer"] is None:
             group["momentum_buffer"] = torch.zeros_like(grad)
             group["second_moment"] = grad.new_zeros(grad.shape[0], *second_moment_shape(group["params"][0]))
@@ -2778,9 +2785,7 @@ class NorMuon(ScheduledOptimizer):
             # is that many matrices for both steps
             update[lo:hi] = normuon_direction(nesterov[lo:hi], group["second_moment"][lo:hi], pieces,
                                               group["reduce_dim"], group["beta2"], self.polar, self.normalize)
-        weights = torch.zeros_like(grad, dtype=torch.float32)
-        if n_real:
-            torch.stack([p.float() for p in params], out=weights[:n_real])
+        weights = self._owned_weights(group, torch.float32)
         lr = group["lr"]
         lr_factor = (group["lr_scale"][start:stop] * lr).view(-1, 1, 1)
         wd_factor = (group["wd_scale"][start:stop] * group["weight_decay"] * lr).view(-1, 1, 1)

@@ -674,7 +674,6 @@ def test_optimizers_cover_record_model_exactly_once():
     assert len(scalars) == 1 and (scalars[0].lr_mul, scalars[0].wd_mul) == (5.0, 0.0)
 
 
-
 def test_normuon_sends_bf16_on_the_gpu_path_only():
     """make_optimizers picks NorMuon's wire dtype from the backend the model was built with: bf16 for the GPU
     path (bf16 head), the parameters' own dtype on the CPU path (whose losses stay bit-identical)."""
@@ -684,6 +683,7 @@ def test_normuon_sends_bf16_on_the_gpu_path_only():
         cpu = tg.build_model(hp, torch.device("meta"))
     assert tg.make_optimizers(gpu, hp, compile_math=False)[0].wire_dtype == torch.bfloat16
     assert tg.make_optimizers(cpu, hp, compile_math=False)[0].wire_dtype is None
+
 
 # ----------------------------------------------------------------------------------------------
 # Schedules of the record, expected values by hand (every step is compared with re-implementations of the
