@@ -40,7 +40,7 @@ import fcntl
 import functools
 import glob
 import hashlib
-import heapq
+import importlib.util
 import io
 import json
 import math
@@ -169,26 +169,8 @@ class Hyperparameters:
     adam_eps: float = hp_field(1e-10, "DistAdam epsilon")
     adam_wd: float = hp_field(0.005, "DistAdam cautious weight decay")
     # track 3, the optimizer race: the optimizer of the hidden matrices and gates (DistAdam keeps the rest)
-    matrix_optimizer: str = hp_field("normuon", "optimizer of the hidden matrices and gates: normuon, shampoo, soap, adamw")
-    shampoo_lr: float = hp_field(0.0015, "Shampoo learning rate")
-    shampoo_betas: tuple = hp_field((0.9, 0.95), "Shampoo momentum and factor decay")
-    shampoo_wd: float = hp_field(0.2, "Shampoo decoupled weight decay")
-    shampoo_eps: float = hp_field(1e-12, "Shampoo epsilon added to the factors' eigenvalues")
-    shampoo_precondition_frequency: int = hp_field(5, "Shampoo: steps between inverse-root refreshes")
-    shampoo_graft_beta2: float = hp_field(0.95, "Shampoo: second-moment decay of the Adam grafting")
-    shampoo_graft_eps: float = hp_field(1e-10, "Shampoo: epsilon of the Adam grafting")
-    factor_max_dim: int = hp_field(8192, "Shampoo and SOAP: largest factor dimension (blocks are cut to it)")
-    factor_dtype: str = hp_field("fp32", "Shampoo and SOAP: dtype of the stored factors and roots/bases: fp32, bf16")
-    factor_block_cost: str = hp_field("bytes", "Shampoo and SOAP: block cost for the rank assignment: bytes, poly")
-    soap_lr: float = hp_field(0.003, "SOAP learning rate")
-    soap_betas: tuple = hp_field((0.95, 0.95), "SOAP momentum and second-moment/factor decay")
-    soap_wd: float = hp_field(0.01, "SOAP decoupled weight decay")
-    soap_eps: float = hp_field(1e-8, "SOAP epsilon")
-    soap_precondition_frequency: int = hp_field(10, "SOAP: steps between eigenbasis refreshes")
-    adamw_lr: float = hp_field(0.0015, "AdamW learning rate (as the matrix optimizer)")
-    adamw_betas: tuple = hp_field((0.9, 0.95), "AdamW betas")
-    adamw_wd: float = hp_field(0.1, "AdamW decoupled weight decay")
-    adamw_eps: float = hp_field(1e-8, "AdamW epsilon")
+    matrix_optimizer: str = hp_field("normuon", "optimizer of the hidden matrices and gates: normuon, or "
+                                                "one of track3.py's (docs/track3.md)")
     # run
     seed: int = hp_field(0, "random seed for initialization")
     val_loss_every: int = hp_field(250, "validate every N steps and at the end (0: only at the end)")
@@ -212,7 +194,7 @@ HP_SECTIONS = {"train_files": "data", "vocab_size": "model shape",
                "bigram_vocab_size": "recipe ideas, each switched off by the value after \"off:\"",
                "num_scheduled_iterations": "batches and schedule",
                "muon_lr": "record optimizers: NorMuon (hidden matrices and gates), DistAdam (the rest)",
-               "matrix_optimizer": "track 3, the optimizer race: the optimizer of the hidden matrices and gates",
+               "matrix_optimizer": "track 3, the optimizer race",
                "seed": "run"}
 
 # --preset NAME: values applied before the flags
@@ -244,52 +226,111 @@ def parse_bool(text):
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def build_arg_parser(prog="train_gpt.py"):
-    """--preset and one flag per Hyperparameters field, grouped by HP_SECTIONS."""
+def build_arg_parser(prog="train_gpt.py", hp_class=None):
+    """--preset and one flag per field of `hp_class` (Hyperparameters, or track 3's), grouped by sections."""
+    hp_class = hp_class or Hyperparameters
+    sections = {**HP_SECTIONS, **getattr(sys.modules[hp_class.__module__], "HP_SECTIONS", {})}
     parser = argparse.ArgumentParser(
         prog=prog, allow_abbrev=False,  # --num_layer must not silently mean --num_layers
-        description="Train the speedrun GPT. Every field of Hyperparameters is a flag; the --preset's values are "
-                    "applied first, then the flags.",
+        description="Train the speedrun GPT. Every field of Hyperparameters is a flag; the --preset's "
+                    "values are applied first, then the flags. Track 3's optimizers add their flags "
+                    "with --matrix_optimizer NAME (see docs/track3.md).",
     )
-    # one-line errors instead of the ~25-line usage that buries the message
-    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
-    # argparse reads only plain decimals like -1.5 as negative numbers; -1e-3 and -1:2 would count as
-    # flags ("expected one argument") instead of reaching the range checks with their messages
+    hint = "" if hp_class is not Hyperparameters else "; track 3's flags need --matrix_optimizer NAME"
+
+    def one_line_error(message):  # instead of the ~25-line usage that buries the message
+        more = hint if message.startswith("unrecognized arguments") else ""
+        parser.exit(2, f"{parser.prog}: error: {message}{more} (see --help)\n")
+    parser.error = one_line_error
+    # argparse reads only plain decimals like -1.5 as negative numbers; -1e-3 and -1:2 would count
+    # as flags ("expected one argument") instead of reaching the range checks with their messages
     parser._negative_number_matcher = re.compile(r"^-\.?\d")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="record", help="named configuration (default: record)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="record",
+                        help="named configuration (default: record)")
+    parser.set_defaults(hp_class=hp_class)
     group = parser
-    for f in fields(Hyperparameters):
-        if f.name in HP_SECTIONS:
-            group = parser.add_argument_group(HP_SECTIONS[f.name])
-        default = f.default
-        kwargs = dict(default=None, help=f"{f.metadata['help']} (default: {default})")
-        if isinstance(default, bool):
-            kwargs.update(type=parse_bool, metavar="BOOL", nargs="?", const=True)  # a bare --force means true
-        elif f.metadata.get("layers"):
-            kwargs.update(type=int, nargs="*", metavar="LAYER")  # no value: none
-        elif isinstance(default, tuple):
-            kwargs.update(type=type(default[0]), nargs=len(default), metavar=type(default[0]).__name__.upper())
-        else:
-            kwargs.update(type=type(default), metavar=type(default).__name__.upper())
-        group.add_argument(f"--{f.name}", **kwargs)
+    for f in fields(hp_class):
+        if f.name in sections:
+            group = parser.add_argument_group(sections[f.name])
+        group.add_argument(f"--{f.name}", **flag_options(f))
     return parser
+
+
+def flag_options(f):
+    """argparse's options for the flag of the Hyperparameters field f."""
+    default = f.default
+    options = dict(default=None, help=f"{f.metadata['help']} (default: {default})")
+    if isinstance(default, bool):
+        options.update(type=parse_bool, metavar="BOOL", nargs="?", const=True)  # a bare --force: true
+    elif f.metadata.get("layers"):
+        options.update(type=int, nargs="*", metavar="LAYER")  # no value: none
+    elif isinstance(default, tuple):
+        kind = type(default[0])
+        options.update(type=kind, nargs=len(default), metavar=kind.__name__.upper())
+    else:
+        options.update(type=type(default), metavar=type(default).__name__.upper())
+    return options
+
+
+def hyperparameter_class(argv):
+    """Hyperparameters, or track 3's (with its optimizers' flags) when argv's --matrix_optimizer (or
+    its --preset's) is not normuon."""
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe.add_argument("--matrix_optimizer", nargs="?")
+    probe.add_argument("--preset", nargs="?")
+    known = probe.parse_known_args(argv)[0]
+    name = known.matrix_optimizer or PRESETS.get(known.preset, {}).get("matrix_optimizer", "normuon")
+    return Hyperparameters if name == "normuon" else load_companion("track3.py").Hyperparameters
+
+
+def parser_for(argv, prog="train_gpt.py"):
+    """The parser of argv's flags (build_arg_parser with hyperparameter_class(argv))."""
+    return build_arg_parser(prog, hyperparameter_class(argv))
 
 
 def hyperparameters_from(args):
     """The preset's values, then the flags given in `args` (an argparse namespace). Validated."""
-    values = dataclasses.asdict(Hyperparameters())
+    hp_class = args.hp_class
+    values = dataclasses.asdict(hp_class())
     values.update(PRESETS[args.preset])
-    for f in fields(Hyperparameters):
+    for f in fields(hp_class):
         value = getattr(args, f.name)
         if value is not None:
             values[f.name] = tuple(value) if isinstance(value, list) else value
-    hp = Hyperparameters(**values)
+    hp = hp_class(**values)
     check_hyperparameters(hp)
     return hp
 
 
 def parse_args(argv=None):
-    return hyperparameters_from(build_arg_parser().parse_args(argv))
+    argv = sys.argv[1:] if argv is None else argv
+    return hyperparameters_from(parser_for(argv).parse_args(argv))
+
+
+# Other tracks' code lives in files of its own beside this script, loaded only when a flag asks for
+# it: track3.py (--matrix_optimizer other than normuon) and ngram_prior.py (--ngram_prior above 0).
+# The log carries each file a run loads after the script (run_source).
+def companion_files(hp):
+    return ["track3.py"] * (hp.matrix_optimizer != "normuon") + ["ngram_prior.py"] * (hp.ngram_prior > 0)
+
+
+def load_companion(name):
+    """The module of the file `name` beside this script, imported once (it imports train_gpt: this
+    module, also when this module runs as __main__ or under another name)."""
+    path = Path(__file__).with_name(name)
+    module = sys.modules.get(path.stem)
+    if module is None:
+        sys.modules.setdefault("train_gpt", sys.modules[__name__])
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        try:
+            spec.loader.exec_module(module)
+        except FileNotFoundError:
+            del sys.modules[path.stem]
+            raise ConfigError(f"{path} is missing: this run needs it beside {Path(__file__).name} "
+                              f"(records.py replay writes every file of a log)") from None
+    return module
 
 
 MTP_HORIZON = 3  # the multi-token-prediction loss weighs the next 1, 2 and 3 tokens
@@ -307,23 +348,33 @@ MAX_NGRAM_ORDER = 5  # --ngram_prior_order: a context of up to 4 tokens packs in
 VALUE_RULES = [
     (("val_tokens", "val_batch_size", "vocab_size", "num_layers", "num_heads", "head_dim", "model_dim",
       "num_scheduled_iterations", "batch_sizes", "max_seq_len", "grad_accum_base", "window_block_tokens",
-      "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "shampoo_lr", "shampoo_graft_eps", "bigram_dim",
-      "softcap_scale", "head_fp8_amax",
-      "shampoo_precondition_frequency", "factor_max_dim", "soap_lr", "soap_eps", "soap_precondition_frequency",
-      "adamw_lr", "adamw_eps"), lambda v: v > 0, "must be positive"),
-    (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads", "micro_batch_tokens",
-      "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd", "adam_wd", "lr_multipliers",
-      "final_lr_multiplier", "shampoo_wd", "shampoo_eps", "soap_wd", "adamw_wd", "bigram_vocab_size", "bigram_sign_rows",
+      "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "bigram_dim", "softcap_scale",
+      "head_fp8_amax"), lambda v: v > 0, "must be positive"),
+    (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads",
+      "micro_batch_tokens", "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd",
+      "adam_wd", "lr_multipliers", "final_lr_multiplier", "bigram_vocab_size", "bigram_sign_rows",
       "value_embed_std", "mudd_dim", "first_stage_max_seq_len", "mtp_weights_start", "mtp_weights_end",
       "value_embed_tables", "ngram_prior"), lambda v: v >= 0, "must be >= 0"),
     (("untie_stage",), lambda v: -1 <= v <= 3, "must be a stage (0-2, 3: the extension) or -1 (never)"),
-    (("window_blocks", "extension_window_blocks"), lambda v: v >= 2, "must be at least 2 (short window = long // 2 blocks)"),
-    (("muon_momentum", "muon_beta2", "adam_betas", "shampoo_betas", "shampoo_graft_beta2", "soap_betas", "adamw_betas"),
-     lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    (("window_blocks", "extension_window_blocks"), lambda v: v >= 2,
+     "must be at least 2 (short window = long // 2 blocks)"),
+    (("muon_momentum", "muon_beta2", "adam_betas"), lambda v: 0 <= v < 1, "must be in [0, 1)"),
     (("cooldown_frac",), lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     (("ngram_prior_order",), lambda v: 2 <= v <= MAX_NGRAM_ORDER, f"must be in 2 ... {MAX_NGRAM_ORDER}"),
     (("seed",), lambda v: 0 <= v < 2 ** 63, "must be in [0, 2^63)"),
 ]
+
+
+def value_rules(hp):
+    """VALUE_RULES, and track 3's for its optimizers' fields."""
+    if hp.matrix_optimizer == "normuon":
+        return VALUE_RULES
+    track3 = load_companion("track3.py")
+    if hp.matrix_optimizer not in track3.OPTIMIZERS or not isinstance(hp, track3.Hyperparameters):
+        raise ConfigError(f"--matrix_optimizer must be normuon or one of track3.py's "
+                          f"{', '.join(track3.OPTIMIZERS)}, got {hp.matrix_optimizer!r}")
+    track3.check_hyperparameters(hp)
+    return VALUE_RULES + track3.VALUE_RULES
 
 
 def check_hyperparameters(hp):
@@ -332,7 +383,7 @@ def check_hyperparameters(hp):
         value = getattr(hp, f.name)
         if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, tuple) else [value])):
             raise ConfigError(f"--{f.name} must be finite, got {value}")
-    for names, ok, meaning in VALUE_RULES:
+    for names, ok, meaning in value_rules(hp):
         for name in names:
             value = getattr(hp, name)
             if not all(ok(v) for v in (value if isinstance(value, tuple) else [value])):
@@ -377,10 +428,8 @@ def check_hyperparameters(hp):
                           f"forward of mostly context each; pass 0 (no cap) or at least {MIN_MICRO_BATCH_TOKENS}")
     if hp.save_every % 2:
         raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
-    for name, choices in (("device", ("auto", "cuda", "cpu")), ("matrix_optimizer", MATRIX_OPTIMIZERS),
-                          ("factor_dtype", ("fp32", "bf16")), ("factor_block_cost", ("bytes", "poly"))):
-        if getattr(hp, name) not in choices:
-            raise ConfigError(f"--{name} must be one of {', '.join(choices)}, got {getattr(hp, name)!r}")
+    if hp.device not in ("auto", "cuda", "cpu"):
+        raise ConfigError(f"--device must be one of auto, cuda, cpu, got {hp.device!r}")
     if hp.fp8 not in ("auto", "on", "off"):
         raise ConfigError(f"--fp8 must be auto, on or off, got {hp.fp8!r}")
     if hp.profile and not _parse_profile_range(hp.profile):
@@ -916,172 +965,6 @@ def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accu
                              device, ids) for start in range(0, n, max_piece_tokens)]
 
 
-NGRAM_TOKEN_BITS = 16  # shards hold uint16 tokens: an n-gram key packs its tokens 16 bits each
-
-
-class NgramLevel(NamedTuple):
-    """The distinct n-grams of one order n >= 2 of some token streams, sorted by (context, successor): the
-    context's n - 1 tokens packed NGRAM_TOKEN_BITS each (the oldest highest), the successor token, the count,
-    and the index of the n-gram's (n - 1)-token suffix among the order below's (for n = 2: the successor)."""
-    contexts: np.ndarray  # uint64
-    successors: np.ndarray  # int64
-    counts: np.ndarray  # int64
-    suffixes: np.ndarray  # int64
-
-
-def check_ngram_tokens(tokens):
-    if tokens.size and int(tokens.max()) >> NGRAM_TOKEN_BITS:
-        raise DataError(f"n-gram counts pack tokens {NGRAM_TOKEN_BITS} bits each (as shards hold them), got token "
-                        f"{int(tokens.max())}")
-
-
-def unique_keys(keys, largest):
-    """np.unique(keys, return_inverse=True, return_counts=True) of int64 keys in [0, largest]: where a key and
-    its position fit in 64 bits together, one sort of (key, position) replaces unique's argsort (3x faster)."""
-    position_bits = max(keys.size - 1, 1).bit_length()
-    if int(largest).bit_length() + position_bits > 64:
-        return np.unique(keys, return_inverse=True, return_counts=True)
-    ordered = np.sort((keys.astype(np.uint64) << np.uint64(position_bits)) | np.arange(keys.size, dtype=np.uint64))
-    sorted_keys = (ordered >> np.uint64(position_bits)).astype(np.int64)
-    first = np.flatnonzero(np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])) if keys.size else \
-        np.zeros(0, np.int64)
-    inverse = np.empty(keys.size, dtype=np.int64)
-    inverse[(ordered & np.uint64((1 << position_bits) - 1)).astype(np.int64)] = np.repeat(
-        np.arange(first.size), np.diff(np.append(first, keys.size)))
-    return sorted_keys[first], inverse, np.diff(np.append(first, keys.size))
-
-
-def count_ngrams(streams, vocab_size, order):
-    """(the unigram counts (vocab_size,), [NgramLevel of orders 2 ... order]) of the n-grams inside each stream
-    (a shard is one stream; its n-grams cross documents). Order n's key is (the index of the (n - 1)-gram that
-    ends one token earlier among the distinct (n - 1)-grams, successor): sorting the keys sorts the n-grams
-    by their tokens, and no key exceeds 64 bits at any vocabulary size."""
-    if not 2 <= order <= MAX_NGRAM_ORDER:
-        raise ValueError(f"n-gram order {order} outside 2 ... {MAX_NGRAM_ORDER}")
-    streams = [np.asarray(s) for s in streams]
-    tokens = np.concatenate(streams).astype(np.int64) if streams else np.zeros(0, np.int64)
-    check_ngram_tokens(tokens)
-    lengths = np.array([s.size for s in streams], dtype=np.int64)
-    depth = np.arange(tokens.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # tokens before, same stream
-    ids, packed, levels = tokens, np.arange(vocab_size, dtype=np.uint64), []  # order 1: a token is its own id
-    n_ids = 1 << NGRAM_TOKEN_BITS
-    for n in range(2, order + 1):
-        ends = np.flatnonzero(depth >= n - 1)  # positions that end an n-gram
-        keys = (ids[ends - 1] << NGRAM_TOKEN_BITS) | tokens[ends]
-        distinct, inverse, counts = unique_keys(keys, (n_ids << NGRAM_TOKEN_BITS) - 1)
-        suffixes = np.empty(distinct.size, dtype=np.int64)
-        suffixes[inverse] = ids[ends]  # every position of one n-gram writes the same suffix
-        successors = distinct & ((1 << NGRAM_TOKEN_BITS) - 1)
-        contexts = packed[distinct >> NGRAM_TOKEN_BITS]
-        levels.append(NgramLevel(contexts, successors, counts.astype(np.int64), suffixes))
-        if n < order:
-            ids = np.full(tokens.size, -1, dtype=np.int64)
-            ids[ends], n_ids = inverse, distinct.size
-            packed = (contexts << np.uint64(NGRAM_TOKEN_BITS)) | successors.astype(np.uint64)
-    return np.bincount(tokens, minlength=vocab_size), levels
-
-
-def kneser_ney_discounts(counts):
-    """Modified Kneser-Ney's (D1, D2, D3+) from the count-of-counts n1 ... n4 of `counts` (Chen & Goodman 1998):
-    Y = n1 / (n1 + 2 n2), Dk = k - (k + 1) Y n(k+1) / nk. On tiny corpora the formula can be undefined (some nk
-    = 0: that discount is k / 2) or leave (0, k] (clipped to [0.01, k]: a context's back-off weight stays > 0)."""
-    n = np.bincount(np.minimum(counts, 5), minlength=6)[1:5].astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        y = n[0] / (n[0] + 2 * n[1])
-        d = np.array([k - (k + 1) * y * n[k] / n[k - 1] for k in (1, 2, 3)])
-    return np.where(np.isfinite(d), np.clip(d, 0.01, [1.0, 2.0, 3.0]), [0.5, 1.0, 1.5])
-
-
-class KneserNeyLevel(NamedTuple):
-    """Order n >= 2 of a KneserNey model: its seen contexts (packed as NgramLevel's, sorted), each context's
-    successors (CSR: row_starts), the log of each context's back-off weight and each seen n-gram's correction."""
-    contexts: np.ndarray  # uint64
-    row_starts: np.ndarray  # int64, one more than contexts
-    log_backoff: np.ndarray  # float64 per context, <= 0
-    successors: np.ndarray  # int64 per n-gram
-    corrections: np.ndarray  # float64 per n-gram, >= 0
-
-
-class KneserNey(NamedTuple):
-    """Interpolated modified Kneser-Ney (Chen & Goodman 1998) of order len(levels) + 1. With h_k the last k - 1
-    tokens of the context, P_k(w | h_k) = max(a(h_k w) - D(a), 0) / a(h_k .) + g(h_k) P_k-1(w | h_k-1) for a seen
-    h_k, else P_k-1(w | h_k-1); a counts the n-gram at the top order and its distinct one-token left extensions
-    below (continuation counts), g(h) = (D1 N1(h .) + D2 N2(h .) + D3+ N3+(h .)) / a(h .), and P_1 interpolates
-    with the uniform distribution over the vocabulary. So log P(w | h) = log P_1(w) + the log back-off weights of
-    h's seen suffixes + the corrections log(P_k / (g P_k-1)) of the seen n-grams h_k w: a dense row, a per-context
-    offset and sparse corrections, all of which just add."""
-    log_unigram: np.ndarray  # float64 (vocabulary,)
-    levels: list  # KneserNeyLevel of orders 2 ... order
-    discounts: np.ndarray  # (order, 3): D1, D2, D3+ of orders 1 ... order
-
-
-def interpolated_unigram(counts, discounts):
-    """Modified Kneser-Ney's lowest order: discounted continuation counts plus their mass spread uniformly."""
-    total = counts.sum()
-    if not total:
-        return np.full(counts.size, 1.0 / counts.size)
-    d = np.where(counts > 0, discounts[np.clip(counts, 1, 3) - 1], 0.0)
-    return (counts - d) / total + d.sum() / total / counts.size
-
-
-def kneser_ney_level(level, counts, discounts, log_p_lower):
-    """(KneserNeyLevel, log P of each of its n-grams) of one order's n-grams with counts `counts` (all > 0) above
-    the order whose log P of each n-gram (for order 2: of each token) is log_p_lower."""
-    contexts = level.contexts
-    starts = np.flatnonzero(np.concatenate([[True], contexts[1:] != contexts[:-1]])) if contexts.size else \
-        np.zeros(0, np.int64)
-    row = np.repeat(np.arange(starts.size), np.diff(np.append(starts, contexts.size)))
-    d = discounts[np.minimum(counts, 3) - 1]
-    totals = np.add.reduceat(counts, starts).astype(np.float64) if starts.size else np.zeros(0)
-    backoff = np.add.reduceat(d, starts) / totals if starts.size else np.zeros(0)
-    lower = log_p_lower[level.suffixes]
-    corrections = np.log1p((counts - d) / totals[row] / (backoff[row] * np.exp(lower)))
-    log_backoff = np.log(backoff)
-    return (KneserNeyLevel(contexts[starts], np.append(starts, contexts.size), log_backoff, level.successors,
-                           corrections), log_backoff[row] + lower + corrections)
-
-
-def kneser_ney(unigrams, levels):
-    """The KneserNey model of count_ngrams' (unigrams, levels): counts over the vocabulary, orders 2 ... top."""
-    levels = list(levels)
-    continuation = np.bincount(levels[0].suffixes, minlength=unigrams.size)
-    discounts = [kneser_ney_discounts(continuation[continuation > 0])]
-    log_unigram = np.log(interpolated_unigram(continuation, discounts[0]))
-    log_p, model_levels = log_unigram, []
-    for n, level in enumerate(levels, start=2):
-        top = n == len(levels) + 1
-        counts = level.counts if top else np.bincount(levels[n - 1].suffixes, minlength=level.counts.size)
-        keep = counts > 0  # below the top, an n-gram seen only at a stream's start has no continuation: unseen
-        if not top:  # the order above indexes its suffixes among the n-grams kept here
-            levels[n - 1] = levels[n - 1]._replace(suffixes=(np.cumsum(keep) - 1)[levels[n - 1].suffixes])
-        level = NgramLevel(*(a[keep] for a in level[:3]), level.suffixes[keep])
-        discounts.append(kneser_ney_discounts(counts[keep]))
-        model_level, log_p = kneser_ney_level(level, counts[keep], discounts[-1], log_p)
-        model_levels.append(model_level)
-    return KneserNey(log_unigram, model_levels, np.array(discounts))
-
-
-def ngram_context_rows(contexts, tokens):
-    """(orders - 1, len(tokens)) int64: for each order n = 2, 3, ... (`contexts`: each order's sorted packed
-    contexts) the row of the context of each position's next token: the n - 1 tokens up to and including it,
-    or -1 where that context is unseen or not there. A context stops at the sequence's start and at a document
-    token (it may start with one): a micro-step piece, which starts at a document, sees the same contexts."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    fits = (tokens >> NGRAM_TOKEN_BITS) == 0  # a larger id (a model's vocabulary may reach it) was never counted
-    index, rows = np.arange(tokens.size), []
-    key, there = np.zeros(tokens.size, dtype=np.uint64), fits.copy()
-    for back, order_contexts in enumerate(contexts):  # the context's oldest token is `back` positions before
-        if back:
-            there[:back] = False
-            there[back:] &= fits[:-back] & (tokens[1: tokens.size + 1 - back] != BOS_ID)
-        key |= np.where(there, tokens[np.maximum(index - back, 0)], 0).astype(np.uint64) << np.uint64(
-            NGRAM_TOKEN_BITS * back)
-        at = np.searchsorted(order_contexts, key).clip(max=max(order_contexts.size - 1, 0))
-        found = there & (order_contexts[at] == key) if order_contexts.size else np.zeros(tokens.size, bool)
-        rows.append(np.where(found, at, -1))
-    return np.stack(rows) if rows else np.zeros((0, tokens.size), np.int64)
-
-
 def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512, topics=8):
     """Write a deterministic corpus with learnable structure: BOS-started documents, each with a topic,
     generated by a topic-dependent sparse Markov chain (4 successors per token, probs .6/.25/.1/.05).
@@ -1126,16 +1009,20 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
-MATRIX_LABELS = ("attn", "attn_qk", "attn_vo", "mlp", "gate")
+class ParamSpec(NamedTuple):
+    """What the optimizers know of a parameter (GPT.param_table): its kind, which optimizer trains it
+    ("matrix": NorMuon or track 3's; "adam": DistAdam), its lr and decay multipliers, into how many row
+    blocks the matrix optimizer cuts it, and its own DistAdam betas (None: DistAdam's)."""
+    label: str
+    optimizer: str
+    lr_mul: float = 1.0
+    wd_mul: float = 1.0
+    pieces: int = 1
+    betas: tuple | None = None
 
 
-def tag(p, label, lr_mul=1.0, wd_mul=1.0, pieces=1, betas=None, optimizer=None):
-    """Attach what the optimizers need to know about a parameter: its kind, its lr and decay
-    multipliers, into how many row blocks the matrix optimizer cuts it, its own DistAdam betas (None:
-    DistAdam's), and which optimizer trains it (default: the matrix optimizer for matrices and gates)."""
-    p.label, p.lr_mul, p.wd_mul, p.pieces, p.betas = label, lr_mul, wd_mul, pieces, betas
-    p.optimizer = optimizer or ("matrix" if label in MATRIX_LABELS else "adam")
-    return p
+def matrix_spec(label, lr_mul=1.0, pieces=1):
+    return ParamSpec(label, "matrix", lr_mul, 1.0, pieces)
 
 
 @dataclass(frozen=True)
@@ -1372,15 +1259,37 @@ def mudd_bias_init():
     return b.bfloat16().float()
 
 
-def adam_tag(p, group, hp):
-    """tag() with recipe 89's DistAdam group: its betas (unless --adam_group_betas false) and multipliers."""
+def adam_spec(group, hp):
+    """Recipe 89's DistAdam `group`: its betas (unless --adam_group_betas false) and multipliers."""
     betas, lr_mul, wd_mul = ADAM_GROUPS[group]
-    return tag(p, group, lr_mul, wd_mul, betas=betas if hp.adam_group_betas else None, optimizer="adam")
+    return ParamSpec(group, "adam", lr_mul, wd_mul, 1, betas if hp.adam_group_betas else None)
 
 
-def gate_tag(p, group, hp):
+def gate_spec(group, hp):
     """A gate weight: DistAdam's `group` under --gates_in_adam, else the matrix optimizer's gates."""
-    return adam_tag(p, group, hp) if hp.gates_in_adam else tag(p, "gate")
+    return adam_spec(group, hp) if hp.gates_in_adam else matrix_spec("gate")
+
+
+# GPT.param_table's groups by parameter name (without "layers.i." or a list index)
+ADAM_PARAMS = {"lm_head.weight": "lm_head", "embed": "embed", "value_embeds": "value_embed",
+               "bigram_embed": "bigram", "bigram_lambdas": "lambdas", "scalars": "scalars",
+               "resid_lambdas": "resid_lambdas", "post_lambdas": "lambdas", "x0_lambdas": "lambdas",
+               "xsa_alphas": "lambdas", "mudd_w1": "mudd", "mudd_w2": "mudd", "mudd_b2": "mudd_bias"}
+GATE_PARAMS = {"smear_gate_w": "smear_gate", "skip_gate_w": "skip_gate", "gate_w": "gate",
+               "ve_gate_w": "gate"}
+
+
+def param_spec(name, hp):
+    """The ParamSpec of the GPT parameter `name` (as named_parameters names it)."""
+    short = re.sub(r"^layers\.\d+\.|\.\d+$", "", name)
+    if short in ADAM_PARAMS:
+        return adam_spec(ADAM_PARAMS[short], hp)
+    if short in GATE_PARAMS:
+        return gate_spec(GATE_PARAMS[short], hp)
+    qk_pieces = hp.num_heads if hp.muon_qk_head_pairs else 2  # head pairs of Q, then of K
+    matrices = {"qk_w": matrix_spec("attn_qk", pieces=qk_pieces), "vo_w": matrix_spec("attn_vo", pieces=2),
+                "fc_w": matrix_spec("mlp"), "proj_w": matrix_spec("mlp", lr_mul=2.0)}
+    return matrices[short]
 
 
 def padded_vocab(hp):
@@ -1437,14 +1346,13 @@ class Layer(nn.Module):
         super().__init__()
         D, H, hdim = hp.model_dim, hp.num_heads, hp.num_heads * hp.head_dim
         if plan.attention:
-            qk_pieces = H if hp.muon_qk_head_pairs else 2  # head pairs of Q, then of K
-            self.qk_w = tag(nn.Parameter(uniform_init(2 * hdim, D)), "attn_qk", pieces=qk_pieces)
-            self.vo_w = tag(nn.Parameter(uniform_init(2 * hdim, D)), "attn_vo", pieces=2)
-            self.gate_w = gate_tag(nn.Parameter(torch.zeros(H, GATE_INPUTS)), "gate", hp)
-            self.ve_gate_w = gate_tag(nn.Parameter(torch.zeros(H, GATE_INPUTS)), "gate", hp) if plan.value_gate else None
+            self.qk_w = nn.Parameter(uniform_init(2 * hdim, D))
+            self.vo_w = nn.Parameter(uniform_init(2 * hdim, D))
+            self.gate_w = nn.Parameter(torch.zeros(H, GATE_INPUTS))
+            self.ve_gate_w = nn.Parameter(torch.zeros(H, GATE_INPUTS)) if plan.value_gate else None
         self.num_heads, self.head_dim = H, hp.head_dim
-        self.fc_w = tag(nn.Parameter(uniform_init(4 * D, D)), "mlp")
-        self.proj_w = tag(nn.Parameter(torch.zeros(4 * D, D)), "mlp", lr_mul=2.0)  # stored (hidden, dim) like fc_w
+        self.fc_w = nn.Parameter(uniform_init(4 * D, D))
+        self.proj_w = nn.Parameter(torch.zeros(4 * D, D))  # stored (hidden, dim) like fc_w
 
     def attend(self, plan, x, lambdas, added_v, xsa_alpha, context, attention, attn_scale):
         """This layer's attention on its normed input x (T, D); the lambdas scale [Q; K; V] and O."""
@@ -1575,7 +1483,10 @@ class Backend(NamedTuple):
     head_loss: object  # softcap_cross_entropy on a GPU, chunked_softcap_cross_entropy on a CPU
     fp8_scales: tuple | None  # the FP8 head's static (x, w, grad) scales (and recipe 89's FP8 MLP); None: no FP8
     round_sigmoid: bool  # the training softcap's sigmoid rounded to bf16, as record #89's loss kernel (GPU)
-    bf16_params: bool  # embeddings, head, gates and MUDD networks stored in bf16, as the reference (GPU)
+    bf16_params: bool  # embeddings, head, gates and MUDD networks stored in bf16, as the reference (GPU);
+    # NorMuon's gradients and new weights then travel in bf16
+    polar: dict  # polar_express's options: GPU_POLAR_EXPRESS (Triton, bf16) or CPU_POLAR_EXPRESS (fp32)
+    compile_math: bool  # the optimizers' pointwise math compiled (fused), as the reference's is (GPU)
 
 
 class GPT(nn.Module):
@@ -1602,16 +1513,17 @@ class GPT(nn.Module):
         self.fp8_mlp = FP8MLPWeights(L, 4 * D, D) if hp.fp8_mlp else None
         self.mlp_in_fp8 = self.fp8_mlp is not None and backend.fp8_scales is not None
         self.init_embeddings(hp)
-        self.smear_gate_w = gate_tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "smear_gate", hp)
-        self.skip_gate_w = gate_tag(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "skip_gate", hp) if hp.skip_gate else None
+        self.smear_gate_w = nn.Parameter(torch.zeros(1, GATE_INPUTS))
+        self.skip_gate_w = nn.Parameter(torch.zeros(1, GATE_INPUTS)) if hp.skip_gate else None
         self.layers = nn.ModuleList([Layer(hp, plan) for plan in self.plan])
         self.rotary = Rotary(hd)
         self.init_lambdas(hp)
         if self.use_mudd:
             w1 = torch.empty(2, hp.mudd_dim, D).uniform_(-1 / math.sqrt(D), 1 / math.sqrt(D))
-            self.mudd_w1 = adam_tag(nn.Parameter(w1), "mudd", hp)
-            self.mudd_w2 = adam_tag(nn.Parameter(torch.zeros(2, len(MuddLayerCoefs._fields), hp.mudd_dim)), "mudd", hp)
-            self.mudd_b2 = adam_tag(nn.Parameter(mudd_bias_init()), "mudd_bias", hp)
+            self.mudd_w1 = nn.Parameter(w1)
+            self.mudd_w2 = nn.Parameter(torch.zeros(2, len(MuddLayerCoefs._fields), hp.mudd_dim))
+            self.mudd_b2 = nn.Parameter(mudd_bias_init())
+        self.specs = {name: param_spec(name, hp) for name, _ in self.named_parameters()}
         for p in bf16_params(self) if backend.bf16_params else ():
             p.data = p.data.to(torch.bfloat16)
         if device is not None:
@@ -1619,40 +1531,42 @@ class GPT(nn.Module):
         if self.mlp_in_fp8:
             self.fp8_mlp.quantize(self.layers, bootstrap=True)
 
+    def param_table(self):
+        """[(parameter, ParamSpec)] of every parameter, in model order: what the optimizers train."""
+        return [(p, self.specs[name]) for name, p in self.named_parameters()]
+
     def init_embeddings(self, hp):
         """The head (its weight also the input embedding until the untie step), value embeddings, bigram table."""
         D, rows = hp.model_dim, padded_vocab(hp)
         self.lm_head = nn.Linear(D, rows, bias=False)
         nn.init.normal_(self.lm_head.weight, std=0.005)
-        adam_tag(self.lm_head.weight, "lm_head", hp)
         # the input embedding: tied to the head (kept equal to it by DistAdam) until the untie step
-        self.embed = adam_tag(nn.Parameter(self.lm_head.weight.detach().clone()), "embed", hp) \
-            if hp.untie_stage >= 0 else None
+        self.embed = nn.Parameter(self.lm_head.weight.detach().clone()) if hp.untie_stage >= 0 else None
         tables = max(self.roles.value_embed.values(), default=-1) + 1
-        self.value_embeds = nn.ParameterList([adam_tag(nn.Parameter(torch.randn(rows, D) * hp.value_embed_std),
-                                                       "value_embed", hp) for _ in range(tables)])
+        self.value_embeds = nn.ParameterList([nn.Parameter(torch.randn(rows, D) * hp.value_embed_std)
+                                              for _ in range(tables)])
         self.bigram_embed = self.bigram_lambdas = None
         if hp.bigram_vocab_size:
-            self.bigram_embed = adam_tag(nn.Parameter(torch.zeros(hp.bigram_vocab_size, hp.bigram_dim)), "bigram", hp)
+            self.bigram_embed = nn.Parameter(torch.zeros(hp.bigram_vocab_size, hp.bigram_dim))
             # each bigram row is multiplied by random signs chosen by the two tokens (collisions then differ)
             signs = torch.randn(max(hp.bigram_sign_rows, 1), hp.bigram_dim).sign() if hp.bigram_sign_rows else \
                 torch.ones(1, hp.bigram_dim)
             self.register_buffer("bigram_signs", signs)
-            self.bigram_lambdas = adam_tag(nn.Parameter(torch.full((hp.num_layers,), 0.05)), "lambdas", hp)
+            self.bigram_lambdas = nn.Parameter(torch.full((hp.num_layers,), 0.05))
 
     def init_lambdas(self, hp):
         """Scalars (per-layer attention lambdas (QKV, O), smear 0, skip -1.5, backout 0.5 without MUDD), lambdas."""
         L = hp.num_layers
         backout_lambda = [] if self.use_mudd else [0.5]
-        self.scalars = adam_tag(nn.Parameter(torch.tensor([0.5, 1.0] * L + [0.0, -1.5] + backout_lambda)), "scalars", hp)
+        self.scalars = nn.Parameter(torch.tensor([0.5, 1.0] * L + [0.0, -1.5] + backout_lambda))
         if hp.sublayer_scalars:  # residual and output lambdas of the attention and the MLP sublayer
-            self.resid_lambdas = adam_tag(nn.Parameter(torch.full((L, 2), 1.1 ** 0.5)), "resid_lambdas", hp)
-            self.post_lambdas = adam_tag(nn.Parameter(torch.ones(L, 2)), "lambdas", hp)
+            self.resid_lambdas = nn.Parameter(torch.full((L, 2), 1.1 ** 0.5))
+            self.post_lambdas = nn.Parameter(torch.ones(L, 2))
         else:  # one residual lambda per layer, before it
-            self.resid_lambdas = adam_tag(nn.Parameter(torch.full((L,), 1.1)), "resid_lambdas", hp)
+            self.resid_lambdas = nn.Parameter(torch.full((L,), 1.1))
             self.post_lambdas = None
-        self.x0_lambdas = adam_tag(nn.Parameter(torch.zeros(L)), "lambdas", hp)
-        self.xsa_alphas = adam_tag(nn.Parameter(torch.zeros(L, hp.num_heads)), "lambdas", hp) if self.roles.xsa else None
+        self.x0_lambdas = nn.Parameter(torch.zeros(L))
+        self.xsa_alphas = nn.Parameter(torch.zeros(L, hp.num_heads)) if self.roles.xsa else None
 
     def scalar_views(self):
         L, s = self.num_layers, self.scalars
@@ -1758,25 +1672,22 @@ class GPT(nn.Module):
             x = x - stream.scalars.backout * backout
         return norm(x)
 
-    def loss(self, x, input_seq, target_seq, mtp_weights=None, loss_mask=None, prior=None):
-        """The head's loss on the trunk's output (plus an --ngram_prior's NgramPrior of the inputs): summed in
-        training (the step's mtp_weights, a piece's loss_mask), the mean next-token loss in evaluation (summed
-        over a validation piece's loss_mask)."""
-        with_prior = {} if prior is None else dict(prior=prior, prior_rows=prior.context_rows(input_seq))
+    def loss(self, x, input_seq, target_seq, mtp_weights=None, loss_mask=None):
+        """The head's loss on the trunk's output: summed in training (the step's mtp_weights, a piece's
+        loss_mask), the mean next-token loss in evaluation (summed over a validation piece's loss_mask)."""
         return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training, self.fp8_head_scales,
-                              self.softcap, mtp_weights, loss_mask, **with_prior)
+                              self.softcap, mtp_weights, loss_mask, inputs=input_seq)
 
     def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None, mtp_weights=None,
-                positions=None, loss_mask=None, prior=None):
+                positions=None, loss_mask=None):
         """Loss of one packed sequence (see trunk and loss)."""
         return self.loss(self.trunk(input_seq, cu_seqlens, window_blocks, bigram_ids, positions), input_seq,
-                         target_seq, mtp_weights, loss_mask, prior)
+                         target_seq, mtp_weights, loss_mask)
 
-    def logits(self, input_seq, cu_seqlens, window_blocks, bigram_ids=None, prior=None):
-        """Softcapped fp32 logits (padded vocabulary, plus an NgramPrior's rows) of each position."""
+    def logits(self, input_seq, cu_seqlens, window_blocks, bigram_ids=None):
+        """Softcapped fp32 logits (padded vocabulary) of each position."""
         x = self.trunk(input_seq, cu_seqlens, window_blocks, bigram_ids)
-        logits = softcapped(head_matmul(x, self.lm_head.weight, None), self.softcap)
-        return logits if prior is None else prior.add_to(logits, prior.context_rows(input_seq))
+        return softcapped(head_matmul(x, self.lm_head.weight, None), self.softcap)
 
     def follow_window(self, window_blocks):
         """YaRN for the (short, long) windows in blocks the next forwards use (see Rotary.follow_window)."""
@@ -2055,11 +1966,13 @@ class FP8SoftcapLoss(torch.autograd.Function):
         return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None
 
 
-def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None, loss_mask=None):
+def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None, loss_mask=None,
+                          inputs=None):
     """The head and its loss on the GPU path: summed over tokens in training (the next-token loss, or
     the multi-token loss with the step's mtp_weights; the caller divides by the accumulation steps),
-    the mean next-token loss in fp32 for validation (a validation piece's loss_mask: the sum over it). In FP8, head and loss are one op (FP8SoftcapLoss);
-    otherwise the compiled graph fuses the softcap."""
+    the mean next-token loss in fp32 for validation (a validation piece's loss_mask: the sum over it).
+    In FP8, head and loss are one op (FP8SoftcapLoss); otherwise the compiled graph fuses the softcap.
+    (`inputs`, the sequence's tokens, are for the CPU loss's n-gram prior.)"""
     if training and fp8_scales is not None:
         weights = x.new_ones(1, dtype=torch.float32) if mtp_weights is None else mtp_weights
         flat, targets = x.reshape(-1, x.shape[-1]).to(torch.bfloat16), targets.reshape(-1)
@@ -2219,62 +2132,6 @@ class TiledWindowAttention:
         return local_window_attention(q, k, v, mask, scale)
 
 
-PRIOR_PAD_LOG_PROB = -1e4  # the head's padding ids never occur: exp underflows to 0, and weight 0 still gives 0
-
-
-class NgramPrior:
-    """weight x log P(w | context) of a KneserNey model as torch rows: the dense lowest-order row, and for each
-    higher order its contexts' offsets (log back-off weights) and corrections on their seen successors (CSR)."""
-
-    def __init__(self, model, weight, columns):
-        as_tensor = lambda a: torch.tensor(weight * a, dtype=torch.float32)  # noqa: E731
-        log_unigram = np.full(columns, PRIOR_PAD_LOG_PROB)
-        log_unigram[: model.log_unigram.size] = model.log_unigram
-        self.log_unigram = as_tensor(log_unigram)
-        self.contexts = [level.contexts for level in model.levels]
-        self.offsets = [as_tensor(level.log_backoff) for level in model.levels]
-        self.row_starts = [torch.from_numpy(level.row_starts) for level in model.levels]
-        self.successors = [torch.from_numpy(level.successors) for level in model.levels]
-        self.corrections = [as_tensor(level.corrections) for level in model.levels]
-
-    @staticmethod
-    def bytes_bound(order, training_tokens, columns):
-        """At most nbytes() of an order-`order` prior of training_tokens tokens: each order above the first has
-        at most one context (key, offset, row start) and one n-gram (successor, correction) per token."""
-        return 4 * columns + (order - 1) * training_tokens * (8 + 4 + 8 + 8 + 4)
-
-    def nbytes(self):
-        tensors = [self.log_unigram, *self.offsets, *self.row_starts, *self.successors, *self.corrections]
-        return sum(t.numel() * t.element_size() for t in tensors) + sum(c.nbytes for c in self.contexts)
-
-    def context_rows(self, tokens):
-        """(orders - 1, len(tokens)) int64 tensor: ngram_context_rows of a sequence's input tokens."""
-        return torch.from_numpy(ngram_context_rows(self.contexts, tokens.cpu().numpy()))
-
-    def add_to(self, logits, context_rows):
-        """logits (rows, columns) += the prior of the token after each row's context (context_rows' columns for
-        these rows), in place; returns them. Two passes over the logits (the dense row, then each row's summed
-        context offsets) and one scatter-add of every order's corrections."""
-        shift = logits.new_zeros(logits.size(0))
-        index, values = [], []
-        for rows, offsets, row_starts, successors, corrections in zip(
-                context_rows, self.offsets, self.row_starts, self.successors, self.corrections):
-            seen = torch.nonzero(rows >= 0).squeeze(1)
-            context = rows[seen]
-            shift.index_add_(0, seen, offsets[context])
-            starts, lengths = row_starts[context], row_starts[context + 1] - row_starts[context]
-            row = torch.repeat_interleave(seen, lengths)
-            # entry i of the flattened successor lists is number i - (entries before its row) of its row
-            first = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths)
-            at = first + torch.arange(row.numel())
-            index.append(row * logits.size(1) + successors[at])
-            values.append(corrections[at])
-        logits.add_(self.log_unigram).add_(shift[:, None])
-        if index:
-            logits.view(-1).index_add_(0, torch.cat(index), torch.cat(values))
-        return logits
-
-
 SOFTCAP_CHUNK = 512  # rows of logits alive at once in the CPU loss
 
 
@@ -2348,10 +2205,12 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
         return grad_x * grad_total, grad_w * grad_total, None, None, None, None, None, None
 
 
-def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None, loss_mask=None,
-                                  prior=None, prior_rows=None):
+def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None,
+                                  loss_mask=None, inputs=None, prior=None):
     """softcap_cross_entropy for the CPU: same values, chunked (fp8_scales and the sigmoid's bf16
-    rounding are ignored: no FP8 on CPU, and the CPU path computes in fp32); also takes --ngram_prior."""
+    rounding are ignored: no FP8 on CPU, and the CPU path computes in fp32); with --ngram_prior's
+    NgramPrior (backend_for binds it) its rows of the contexts in `inputs` join the logits."""
+    prior_rows = None if prior is None else prior.context_rows(inputs)
     if training:
         return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights, loss_mask, prior, prior_rows)
     if loss_mask is not None:  # a validation piece: its summed loss
@@ -2372,19 +2231,22 @@ def uses_fp8(hp, device, fp8_hardware=None):
     return hp.fp8 == "on" or (hp.fp8 == "auto" and (fp8_supported(device) if fp8_hardware is None else fp8_hardware))
 
 
-def backend_for(hp, device, accum=1, fp8_hardware=None, attention=None):
+def backend_for(hp, device, accum=1, fp8_hardware=None, attention=None, prior=None):
     """The Backend of a run on `device`: on CUDA FlexAttention, the fused softcapped loss, bf16 embeddings and gates
     and, where uses_fp8 says so, the FP8 head and MLP (its gradient scale divided by `accum`, the accumulation steps,
     as recipe 89's loss is); on a CPU the fallbacks in fp32. `attention` replaces the attention (the tools' traces)."""
     if device.type != "cuda":
         uses_fp8(hp, device)
-        return Backend(attention or TiledWindowAttention(), chunked_softcap_cross_entropy, None, False, False)
+        loss = chunked_softcap_cross_entropy if prior is None else \
+            functools.partial(chunked_softcap_cross_entropy, prior=prior)
+        return Backend(attention or TiledWindowAttention(), loss, None, False, False, CPU_POLAR_EXPRESS, False)
     if hp.ngram_prior:
         raise ConfigError("--ngram_prior needs the CPU loss path (the GPU losses add no prior); use --device cpu or "
                           "--ngram_prior 0")
     fp8 = uses_fp8(hp, device, fp8_hardware)
     return Backend(attention or FlexWindowAttention(compile_kernel=not hp.compile), softcap_cross_entropy,
-                   head_fp8_scales(hp.head_fp8_amax, accum) if fp8 else None, True, True)
+                   head_fp8_scales(hp.head_fp8_amax, accum) if fp8 else None, True, True, GPU_POLAR_EXPRESS,
+                   hp.compile)
 
 
 def build_model(hp, device, accum=1):
@@ -2396,7 +2258,8 @@ def bf16_params(model):
     """The parameters the GPU path keeps in bf16, as the reference does: embeddings, head, gates and the MUDD
     networks (the hidden matrices stay fp32 masters, and the lambdas fp32)."""
     fp32_groups = ("scalars", "resid_lambdas", "lambdas")
-    return [p for p in model.parameters() if (p.optimizer == "adam" and p.label not in fp32_groups) or p.label == "gate"]
+    return [p for p, spec in model.param_table()
+            if (spec.optimizer == "adam" and spec.label not in fp32_groups) or spec.label == "gate"]
 
 # ----------------------------------------------------------------------------------------------
 # Optimizers: Polar Express (Triton kernels on GPU), NorMuon, sharded DistAdam, and the record's wiring
@@ -2652,17 +2515,19 @@ class NorMuon(ScheduledOptimizer):
     bf16 casts and FP8 copies cannot tell apart; exact_weights() gathers the exact ones for a snapshot.
     """
 
-    def __init__(self, params, lr, weight_decay, momentum, beta2, polar=GPU_POLAR_EXPRESS, compile_math=False,
+    def __init__(self, table, lr, weight_decay, momentum, beta2, polar=GPU_POLAR_EXPRESS, compile_math=False,
                  wire_dtype=None):
+        """table: [(parameter, ParamSpec)] (GPT.param_table's matrix part)."""
         self.rank, self.world_size = world_info()
         self.polar, self.wire_dtype = polar, wire_dtype
         # the pointwise math compiled (fused) on the GPU, as the reference's is
         self.normalize = torch.compile(normalize_variance, dynamic=False) if compile_math else normalize_variance
         self.apply_update = torch.compile(cautious_update, dynamic=False) if compile_math else cautious_update
         self._pending, self._gathers = None, []
-        params = list(params)
+        self.specs = dict(table)
+        params = list(self.specs)
         self.param_groups = [self._group(stack, lr, weight_decay, momentum, beta2)
-                             for stack in stacked_groups(params, self.world_size)]
+                             for stack in stacked_groups(table, self.world_size)]
         self._order = {p: index for index, p in enumerate(params)}  # the state_dict's layout
 
     def set_schedule(self, lr_multiplier, momentum):
@@ -2679,13 +2544,13 @@ class NorMuon(ScheduledOptimizer):
 
         def shape_factor(q):  # sqrt(max(1, rows/cols)) of each piece the parameter is orthogonalized in
             rows, cols = q.shape
-            return max(1.0, rows // q.pieces / cols) ** 0.5
+            return max(1.0, rows // self.specs[q].pieces / cols) ** 0.5
 
         return dict(
             params=params, lr=lr, initial_lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2, chunk=chunk,
-            reduce_dim=piece_reduce_dim(params[0]),
-            lr_scale=per_param([shape_factor(q) * q.lr_mul for q in params]),  # x the parameter's lr_mul
-            wd_scale=per_param([q.wd_mul for q in params]),
+            reduce_dim=piece_reduce_dim(params[0], self.specs[params[0]]),
+            lr_scale=per_param([shape_factor(q) * self.specs[q].lr_mul for q in params]),  # x its lr_mul
+            wd_scale=per_param([self.specs[q].wd_mul for q in params]),
             momentum_buffer=None, second_moment=None)
 
     def _owned(self, group):
@@ -2774,13 +2639,14 @@ class NorMuon(ScheduledOptimizer):
         params = self._owned_params(group)
         if group["momentum_buffer"] is None:
             group["momentum_buffer"] = torch.zeros_like(grad)
-            group["second_moment"] = grad.new_zeros(grad.shape[0], *second_moment_shape(group["params"][0]))
+            first = group["params"][0]
+            group["second_moment"] = grad.new_zeros(grad.shape[0], *second_moment_shape(first, self.specs[first]))
         mu = group["momentum"]
         buf = group["momentum_buffer"]
         buf.lerp_(grad, 1 - mu)
         nesterov = grad.lerp_(buf, mu)
         update = torch.zeros_like(grad, dtype=self.polar["dtype"])
-        for pieces, lo, hi in label_runs([p.pieces for p in params]):
+        for pieces, lo, hi in label_runs([self.specs[p].pieces for p in params]):
             # a parameter of several pieces (the merged attention weight's Q, K, V, O; Q and K head pairs)
             # is that many matrices for both steps
             update[lo:hi] = normuon_direction(nesterov[lo:hi], group["second_moment"][lo:hi], pieces,
@@ -2820,29 +2686,30 @@ class NorMuon(ScheduledOptimizer):
                 group[key] = local
 
 
-def piece_reduce_dim(p):
+def piece_reduce_dim(p, spec):
     """NorMuon normalizes a piece per row (-1) if it is at least as tall as wide, else per column (-2);
     gates always per row."""
     rows, cols = p.shape
-    return -1 if rows // p.pieces >= cols or p.label == "gate" else -2
+    return -1 if rows // spec.pieces >= cols or spec.label == "gate" else -2
 
 
-def second_moment_shape(p):
+def second_moment_shape(p, spec):
     """NorMuon's second moment of one parameter: one value per row, or per column of each piece."""
     rows, cols = p.shape
-    return (rows, 1) if piece_reduce_dim(p) == -1 else (p.pieces, cols)
+    return (rows, 1) if piece_reduce_dim(p, spec) == -1 else (spec.pieces, cols)
 
 
-def stacked_groups(params, world_size):
+def stacked_groups(table, world_size):
     """NorMuon's communication groups: parameters of one shape and second-moment layout (sorted by
     label), split in two when each rank can still own one of each half; smallest groups first. Each
     group is stacked, padded to a multiple of the world size and cut into equal per-rank chunks."""
-    by_shape = {}
-    for p in params:
-        by_shape.setdefault((tuple(p.shape), second_moment_shape(p)), []).append(p)
+    by_shape, label = {}, {}
+    for p, spec in table:
+        by_shape.setdefault((tuple(p.shape), second_moment_shape(p, spec)), []).append(p)
+        label[p] = spec.label
     groups = []
     for (shape, _), same_shape in sorted(by_shape.items(), key=lambda kv: math.prod(kv[0][0]) * len(kv[1])):
-        same_shape = sorted(same_shape, key=lambda q: q.label)  # stable: keeps model order per label
+        same_shape = sorted(same_shape, key=label.get)  # stable: keeps model order per label
         parts = 2 if len(same_shape) >= 2 * world_size else 1
         chunk = -(-len(same_shape) // (parts * world_size))
         groups += [same_shape[start: start + chunk * world_size] for start in range(0, len(same_shape), chunk * world_size)]
@@ -2947,11 +2814,12 @@ class DistAdam(ScheduledOptimizer):
     parameter's reduce-scatter (AVG), then per parameter waits, updates its slice and all-gathers it; the
     parameters up to ADAM_BUCKET_NUMEL elements travel together, one bucket per dtype (one reduce-scatter and
     one all-gather for all of them: each element is reduced as it would be alone).
-    A parameter's own betas (tag) replace `betas`. Cautious decay where update x weight > 0. `tie` = (head, embedding): until untie(), the embedding's gradient joins the
+    A parameter's own betas (its ParamSpec's) replace `betas`. Cautious decay where update x weight > 0. `tie` = (head, embedding): until untie(), the embedding's gradient joins the
     head's, and the embedding is a copy of the updated head.
     """
 
-    def __init__(self, params, lr, betas, eps, weight_decay, tie=None, compile_math=False):
+    def __init__(self, table, lr, betas, eps, weight_decay, tie=None, compile_math=False):
+        """table: [(parameter, ParamSpec)] (GPT.param_table's DistAdam part)."""
         self.rank, self.world_size = world_info()
         # the pointwise math compiled (fused) on the GPU, as the reference's is; the per-step factors, and
         # there the betas (float64: 1 - beta as in Python), are 0-dim CPU tensors, so that one graph per shape
@@ -2962,8 +2830,9 @@ class DistAdam(ScheduledOptimizer):
         self._betas = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         self._pending, self._gathers = None, []
         self.tie, self.tied = tie, tie is not None
-        self.param_groups = [dict(params=[p], lr=lr, initial_lr=lr, betas=getattr(p, "betas", None) or betas, eps=eps,
-                                  weight_decay=weight_decay, step=0, exp_avg=None, exp_avg_sq=None) for p in params]
+        self.param_groups = [dict(params=[p], lr=lr, initial_lr=lr, betas=spec.betas or betas, eps=eps,
+                                  weight_decay=weight_decay, lr_mul=spec.lr_mul, wd_mul=spec.wd_mul, step=0,
+                                  exp_avg=None, exp_avg_sq=None) for p, spec in table]
 
     def untie(self):
         """From now on the embedding trains on its own, from the head's weights and Adam state."""
@@ -3081,13 +2950,13 @@ class DistAdam(ScheduledOptimizer):
             group["exp_avg_sq"] = torch.zeros_like(weight, dtype=torch.float32)
         group["step"] += 1
         t = group["step"]
-        lr = group["lr"] * p.lr_mul  # the parameter's own learning rate
+        lr = group["lr"] * group["lr_mul"]  # the parameter's own learning rate
         # unlike adam_direction, eps is added to the uncorrected sqrt(v) and both bias corrections live in
         # the step size, as in the reference
         self._step_size.fill_(lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t)))
         # decay factor lr * (lr * wd * wd_mul): it follows the square of the parameter's own lr (an
         # absurd lr saturates the factor instead of raising, so the run stops with the non-finite-loss hint)
-        self._decay.fill_(min(lr * group["weight_decay"] * p.wd_mul * lr, FLOAT32_MAX))
+        self._decay.fill_(min(lr * group["weight_decay"] * group["wd_mul"] * lr, FLOAT32_MAX))
         if self.compiled:
             beta1, beta2 = (t.fill_(beta) for t, beta in zip(self._betas, (beta1, beta2)))
         return self.math(group["exp_avg"], group["exp_avg_sq"], grad, weight, beta1, beta2, group["eps"],
@@ -3119,33 +2988,29 @@ class DistAdam(ScheduledOptimizer):
 
 
 def split_params_for_optimizers(model):
-    """(the matrix optimizer's parameters, DistAdam's), each in model order, as the model tagged them:
-    hidden matrices and (unless given to DistAdam) gates; embeddings, head and scalars."""
-    muon = [p for p in model.parameters() if getattr(p, "optimizer", None) == "matrix"]
-    adam = [p for p in model.parameters() if getattr(p, "optimizer", None) == "adam"]
-    covered = [id(p) for p in muon + adam]
+    """(the matrix optimizer's table, DistAdam's): GPT.param_table's (parameter, ParamSpec) pairs, each in
+    model order: hidden matrices and (unless given to DistAdam) gates; embeddings, head and scalars."""
+    table = model.param_table()
+    matrix = [(p, spec) for p, spec in table if spec.optimizer == "matrix"]
+    adam = [(p, spec) for p, spec in table if spec.optimizer == "adam"]
+    covered = [id(p) for p, _ in matrix + adam]
     if sorted(covered) != sorted(id(p) for p in model.parameters()) or len(set(covered)) != len(covered):
         raise AssertionError("optimizer parameter sets must cover every model parameter exactly once")
-    return muon, adam
+    return matrix, adam
 
 
-def make_optimizers(model, hp, compile_math=None):
-    """(matrix optimizer, DistAdam) for the model's parameters. The matrix optimizer is NorMuon (the
-    record; its Polar Express takes the fp32 torch path on a CPU) or a track-3 optimizer. Their pointwise
-    math is compiled on CUDA with --compile (compile_math: None), or as compile_math says."""
-    matrix_params, adam_params = split_params_for_optimizers(model)
+def make_optimizers(model, hp, backend):
+    """(matrix optimizer, DistAdam) for the model's parameters, on the model's Backend: NorMuon (the
+    record) or track3.py's --matrix_optimizer, with the Backend's Polar Express path, wire dtype and
+    compiled pointwise math."""
+    matrix_table, adam_table = split_params_for_optimizers(model)
     embed = getattr(model, "embed", None)
-    if compile_math is None:
-        compile_math = model.lm_head.weight.device.type == "cuda" and hp.compile
-    adam = DistAdam(adam_params, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd,
-                    tie=None if embed is None else (model.lm_head.weight, embed), compile_math=compile_math)
+    adam = DistAdam(adam_table, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd,
+                    tie=None if embed is None else (model.lm_head.weight, embed), compile_math=backend.compile_math)
     if hp.matrix_optimizer != "normuon":
-        return make_track3_optimizer(hp.matrix_optimizer, matrix_params, hp), adam
-    on_cpu = model.lm_head.weight.device.type == "cpu"
-    gpu_path = model.lm_head.weight.dtype == torch.bfloat16  # the GPU backend's bf16 head (also in the tools' traces)
-    return NorMuon(matrix_params, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2,
-                   polar=CPU_POLAR_EXPRESS if on_cpu else GPU_POLAR_EXPRESS, compile_math=compile_math,
-                   wire_dtype=torch.bfloat16 if gpu_path else None), adam
+        return load_companion("track3.py").make_optimizer(hp.matrix_optimizer, matrix_table, hp), adam
+    return NorMuon(matrix_table, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2, polar=backend.polar,
+                   compile_math=backend.compile_math, wire_dtype=torch.bfloat16 if backend.bf16_params else None), adam
 
 
 def step_optimizers(plan, matrix_opt, adam):
@@ -3165,374 +3030,6 @@ def step_optimizers(plan, matrix_opt, adam):
     if plan.unties_after:
         adam.untie()
 
-
-# ----------------------------------------------------------------------------------------------
-# Track-3 optimizers for --matrix_optimizer (Shampoo, SOAP, AdamW), registered in TRACK3_OPTIMIZERS
-
-# Each parameter is cut into blocks (the merged attention weight into Q, K, V and O first); blocks go
-# to ranks by a greedy heaviest-first assignment over a cost model; one reduce-scatter brings each
-# rank the gradients of its blocks, one all-gather brings everyone the updated blocks.
-
-
-def merge_dims(shape, max_dim, target=1):
-    """Drop size-1 dimensions, then merge neighbours from the right while the product stays within
-    max_dim and at least `target` dimensions remain: (1, 2, 5, 1) -> (10,); (32, 3, 64, 64) with
-    max_dim 8192 and target 2 -> (96, 4096)."""
-    dims = [d for d in shape if d > 1] or [1]
-    merged = [dims[-1]]
-    for i in range(len(dims) - 2, -1, -1):  # i dimensions are still to the left of this one
-        if dims[i] * merged[0] <= max_dim and i + len(merged) >= target:
-            merged[0] *= dims[i]
-        else:
-            merged.insert(0, dims[i])
-    return tuple(merged)
-
-
-def split_dims(shape, max_dim):
-    """Blocks of at most max_dim along every dimension: a list of per-dimension slices per block
-    (5 x 3 split by 2 -> 3 x 2 = 6 blocks)."""
-    per_dim = [[slice(start, min(start + max_dim, size)) for start in range(0, size, max_dim)] for size in shape]
-    blocks = [[]]
-    for options in per_dim:
-        blocks = [block + [s] for block in blocks for s in options]
-    return [tuple(block) for block in blocks]
-
-
-def block_cost(shape, model):
-    """Relative work and memory of a block's preconditioner. 'bytes': its factor matrices in fp32, each
-    side aligned to 8; 'poly': eigendecompositions (d^3 per side) plus applying them (numel x sum d)."""
-    if model == "bytes":
-        return sum(4 * (-(-d // 8) * 8) ** 2 for d in shape)
-    return sum(d ** 3 for d in shape) + math.prod(shape) * sum(shape)
-
-
-def assign_blocks(costs, numels, world_size, capacity=None):
-    """Greedy, heaviest block first, to the rank with the least cost so far whose gradient elements
-    stay within `capacity` (else to the rank with the fewest elements). Returns each block's rank."""
-    owner = [0] * len(costs)
-    heap = [(0.0, rank) for rank in range(world_size)]
-    elements = [0] * world_size
-    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
-        skipped = []
-        while heap:
-            load, rank = heapq.heappop(heap)
-            if capacity is None or elements[rank] + numels[i] <= capacity:
-                break
-            skipped.append((load, rank))
-        else:  # nobody has room: the least-filled rank takes it (more padding)
-            rank = min(range(world_size), key=lambda r: elements[r])
-            load = next(l for l, r in skipped if r == rank)
-            skipped.remove((load, rank))
-        owner[i] = rank
-        elements[rank] += numels[i]
-        for item in skipped + [(load + costs[i], rank)]:
-            heapq.heappush(heap, item)
-    return owner
-
-
-def symmetric_eigh(matrix):
-    """(eigenvalues, eigenvectors) of a symmetric matrix in fp32, retried in fp64 when fp32 fails to converge."""
-    try:
-        return torch.linalg.eigh(matrix.float())
-    except torch.linalg.LinAlgError:
-        return tuple(t.float() for t in torch.linalg.eigh(matrix.double()))
-
-
-def inverse_root(matrix, root, eps):
-    """(matrix + eps I)^(-1/root) of a symmetric PSD matrix via its eigendecomposition."""
-    values, vectors = symmetric_eigh(matrix)
-    scale = (values.clamp_min(0) + eps).pow(-1 / root)
-    return (vectors * scale) @ vectors.T
-
-
-def gram(grad, side):
-    """G Gᵀ (side 0) or Gᵀ G (side 1) of a 2-D block; g gᵀ of a 1-D one."""
-    if grad.ndim == 1:
-        return torch.outer(grad, grad)
-    return grad @ grad.T if side == 0 else grad.T @ grad
-
-
-@dataclass(frozen=True)
-class ParamBlock:
-    param: int  # index into the optimizer's parameters
-    rows: slice  # the piece of the parameter (a Q/K/V/O quarter of the attention weight, or all of it)
-    shape: tuple  # the piece viewed with merged dimensions
-    index: tuple  # the block within that view
-    numel: int
-
-    def of(self, tensor):
-        """The block as a view of `tensor` (the parameter or its gradient)."""
-        return tensor[self.rows].view(self.shape)[self.index]
-
-
-class BlockOptimizer(ScheduledOptimizer):
-    """Blocks, their assignment to ranks and the communication of the track-3 optimizers; subclasses
-    define the per-block update (`direction`). Each rank keeps state only for its own blocks. One lr
-    for every matrix: NorMuon's per-parameter lr_mul and shape factor are part of NorMuon."""
-
-    name = "block optimizer"
-
-    def __init__(self, params, lr, betas, weight_decay, max_dim, cost):
-        self.rank, self.world_size = world_info()
-        self.params = list(params)
-        self.param_groups = [dict(params=self.params, lr=lr, initial_lr=lr, betas=betas, weight_decay=weight_decay)]
-        self.blocks = []
-        for index, p in enumerate(self.params):
-            pieces = p.pieces
-            height = p.shape[0] // pieces
-            for piece in range(pieces):
-                rows = slice(piece * height, (piece + 1) * height)
-                shape = merge_dims((height, *p.shape[1:]), max_dim, target=2)
-                for sub in split_dims(shape, max_dim):
-                    numel = math.prod(s.stop - s.start for s in sub)
-                    self.blocks.append(ParamBlock(index, rows, shape, sub, numel))
-        # no rank receives more gradient elements than NorMuon sends it for the same parameters
-        capacity = sum(-(-len(g) // self.world_size) * g[0].numel() for g in stacked_groups(self.params, self.world_size)) \
-            if self.world_size > 1 else None
-        costs = [block_cost(tuple(s.stop - s.start for s in b.index), cost) for b in self.blocks]
-        owner = assign_blocks(costs, [b.numel for b in self.blocks], self.world_size, capacity)
-        self.rank_blocks = [[i for i, r in enumerate(owner) if r == rank] for rank in range(self.world_size)]
-        self.segment = max(sum(self.blocks[i].numel for i in mine) for mine in self.rank_blocks)
-        self.step_count = 0
-        self.state = {}  # block index -> its tensors (own blocks only)
-
-    def _pack(self, get, rank_blocks, dtype):
-        """The blocks' values (get(block) -> tensor) laid out rank after rank, padded to equal segments."""
-        flat = torch.zeros(len(rank_blocks) * self.segment, dtype=dtype, device=self.params[0].device)
-        for rank, mine in enumerate(rank_blocks):
-            offset = rank * self.segment
-            for i in mine:
-                block = self.blocks[i]
-                flat[offset: offset + block.numel] = get(block).reshape(-1)
-                offset += block.numel
-        return flat
-
-    @torch.no_grad()
-    def update(self):
-        self.step_count += 1
-        group = self.param_groups[0]
-        grads = self._pack(lambda b: b.of(self.params[b.param].grad), self.rank_blocks, torch.float32)
-        if self.world_size > 1:
-            local = grads.new_empty(self.segment)
-            dist.reduce_scatter_tensor(local, grads, op=dist.ReduceOp.AVG)
-        else:
-            local = grads
-        mine = self.rank_blocks[self.rank]
-        updated, offset = torch.zeros_like(local), 0
-        for i in mine:
-            block = self.blocks[i]
-            p = self.params[block.param]
-            g = local[offset: offset + block.numel].view(block.of(p).shape)
-            weight = block.of(p).float()
-            direction = self.direction(i, g)
-            new = weight if direction is None else \
-                weight * (1 - group["lr"] * group["weight_decay"]) - group["lr"] * direction
-            updated[offset: offset + block.numel] = new.reshape(-1)
-            offset += block.numel
-        full = updated
-        if self.world_size > 1:
-            full = updated.new_empty(self.world_size * self.segment)
-            dist.all_gather_into_tensor(full, updated)
-        for rank, blocks in enumerate(self.rank_blocks):
-            offset = rank * self.segment
-            for i in blocks:
-                block = self.blocks[i]
-                target = block.of(self.params[block.param])
-                target.copy_(full[offset: offset + block.numel].view(target.shape))
-                offset += block.numel
-
-    def direction(self, i, grad):
-        """The block's update direction from its averaged gradient (None: leave the block as it is)."""
-        raise NotImplementedError
-
-    def _new_state(self, grad):
-        raise NotImplementedError
-
-    def _block_state(self, i, grad):
-        """Block i's state tensors, made (zeros) at its first step."""
-        if i not in self.state:
-            self.state[i] = self._new_state(grad)
-        return self.state[i]
-
-    def state_dict(self):
-        """Every block's state (all ranks' gathered, keyed by block index: the same at any world size)."""
-        state = {i: {k: v.cpu().clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                 for i, s in self.state.items()}
-        if self.world_size > 1:
-            parts = [None] * self.world_size
-            dist.all_gather_object(parts, state)
-            state = {i: s for part in parts for i, s in part.items()}
-        return {"name": self.name, "step": self.step_count, "blocks": state}
-
-    def load_state_dict(self, state):
-        if state.get("name") != self.name or any(i >= len(self.blocks) or not self._fits(i, s)
-                                                 for i, s in state["blocks"].items()):
-            raise ValueError(f"{self.name} state does not match this optimizer and model")
-        self.step_count = state["step"]
-        device = self.params[0].device
-        self.state = {i: {k: v.to(device) if torch.is_tensor(v) else v for k, v in state["blocks"][i].items()}
-                      for i in self.rank_blocks[self.rank] if i in state["blocks"]}
-
-    def _fits(self, i, block_state):
-        """Whether a saved block state has the entries and shapes this optimizer makes for block i
-        (a checkpoint of another version of the script may not)."""
-        block = self.blocks[i]
-        expected = self._new_state(torch.empty(block.of(self.params[block.param]).shape, device="meta"))
-        return block_state.keys() == expected.keys() and \
-            all(getattr(block_state[k], "shape", None) == getattr(expected[k], "shape", None) for k in expected)
-
-
-class FactoredOptimizer(BlockOptimizer):
-    """Shampoo's and SOAP's common part: per block, the factors L = EMA(G Gᵀ) and R = EMA(Gᵀ G) (one
-    factor for a 1-D block), each with a matrix derived from it (`derived`: inverse root or eigenbasis),
-    stored in `state_dtype` ("fp32" or "bf16"), plus momentum and an Adam-style second moment (`second`);
-    subclasses name the last two state entries."""
-
-    def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency,
-                 state_dtype="fp32", cost="bytes"):
-        super().__init__(params, lr, betas, weight_decay, max_dim, cost)
-        self.eps, self.frequency = eps, precondition_frequency
-        self.state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
-
-    def _new_state(self, grad):
-        state = {"momentum": torch.zeros_like(grad), self.second: torch.zeros_like(grad)}
-        for d, size in enumerate(grad.shape):
-            state[f"factor{d}"] = grad.new_zeros(size, size, dtype=self.state_dtype)
-            state[f"{self.derived}{d}"] = grad.new_zeros(size, size, dtype=self.state_dtype)
-        return state
-
-    def _accumulate_factor(self, state, grad, d, beta2):
-        """factor_d <- beta2 factor_d + (1 - beta2) (G Gᵀ or Gᵀ G), computed in fp32; returns the fp32 factor."""
-        factor = ema_(state[f"factor{d}"].float(), gram(grad, d), beta2)
-        state[f"factor{d}"].copy_(factor)
-        return factor
-
-
-class Shampoo(FactoredOptimizer):
-    """Shampoo with Adam grafting: factors L = EMA(G Gᵀ), R = EMA(Gᵀ G) (bias-corrected), inverse roots
-    L^(-1/4), R^(-1/4) refreshed every `precondition_frequency` steps f, momentum on the gradient, the
-    preconditioned direction rescaled per block to the norm of Adam's direction, then decoupled weight
-    decay. A 1-D block has one factor and exponent -1/2. The refreshes fall on steps 1, 1 + f, 1 + 2f, ...,
-    so there is a root from the first step; Meta's Distributed Shampoo computes its roots on the
-    multiples of f (f, 2f, ...) after its start_preconditioning_step: the same interval, another phase."""
-
-    name, derived, second = "shampoo", "root", "graft"
-
-    def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency, graft_beta2, graft_eps,
-                 state_dtype="fp32", cost="bytes"):
-        super().__init__(params, lr, betas, weight_decay, eps, max_dim, precondition_frequency, state_dtype, cost)
-        self.graft_beta2, self.graft_eps = graft_beta2, graft_eps
-
-    def direction(self, i, grad):
-        beta1, beta2 = self.param_groups[0]["betas"]
-        t = self.step_count
-        state = self._block_state(i, grad)
-        for d in range(grad.ndim):
-            factor = self._accumulate_factor(state, grad, d, beta2)
-            if (t - 1) % self.frequency == 0:
-                state[f"root{d}"].copy_(inverse_root(factor / (1 - beta2 ** t), 2 * grad.ndim, self.eps))
-        momentum = ema_(state["momentum"], grad, beta1)
-        adam = adam_direction(momentum, ema_square_(state["graft"], grad, self.graft_beta2), t, beta1,
-                              self.graft_beta2, self.graft_eps)
-        filtered = momentum / (1 - beta1 ** t)
-        roots = [state[f"root{d}"].float() for d in range(grad.ndim)]
-        shampoo = roots[0] @ filtered @ roots[1] if grad.ndim == 2 else roots[0] @ filtered
-        return shampoo * (adam.norm() / shampoo.norm().clamp_min(1e-30))
-
-
-class SOAP(FactoredOptimizer):
-    """SOAP: Adam run in the eigenbasis of Shampoo's factors, with decoupled weight decay. As in the
-    published SOAP, a gradient enters the factors only after it has been used, so the basis never holds
-    the gradient it rotates: a block's first step only builds its basis (an eigendecomposition, no
-    update). After every `precondition_frequency` Adam steps the basis takes one power-iteration step
-    and a QR decomposition from where it was, its directions (and the second moment's entries with
-    them) ordered by their estimated eigenvalues: a slowly turning basis whose second moment still fits
-    it. Momentum lives in the parameter's basis, the second moment in the rotated one."""
-
-    name, derived, second = "soap", "basis", "second"
-
-    def _new_state(self, grad):
-        # adam_steps: a Python int (reading it never waits for a GPU); -1 while the block has no basis.
-        # A block behind a zero-initialized weight (Q, K, V behind O, the MLP's input behind its output)
-        # has an exactly zero first gradient; a basis built from a zero factor would be arbitrary, and
-        # power iterations every few steps would take most of the run to repair it.
-        return dict(super()._new_state(grad), adam_steps=-1)
-
-    def direction(self, i, grad):
-        beta1, beta2 = self.param_groups[0]["betas"]
-        state = self._block_state(i, grad)
-        steps = state["adam_steps"]
-        t = steps + 1 if steps >= 0 else 0  # this step's Adam step number (0: building the basis)
-        if t == 0 and not grad.any():
-            return None  # still no basis (a zero gradient leaves the zero factors as they are)
-        update = self._adam_in_basis(state, grad, t, beta1, beta2) if t > 0 else None
-        for d in range(grad.ndim):
-            factor = self._accumulate_factor(state, grad, d, beta2)
-            if t == 0:
-                state[f"basis{d}"].copy_(symmetric_eigh(factor)[1])
-            elif t % self.frequency == 0:
-                self._turn_basis(state, factor, d)
-        state["adam_steps"] = t
-        return update
-
-    def _turn_basis(self, state, factor, d):
-        """basis_d <- QR(factor_d @ basis_d) with the directions sorted by estimated eigenvalue, largest first."""
-        basis = state[f"basis{d}"].float()
-        order = torch.argsort((basis * (factor @ basis)).sum(0), descending=True)  # diag(Bᵀ F B)
-        state["second"].copy_(state["second"].index_select(d, order))
-        state[f"basis{d}"].copy_(torch.linalg.qr(factor @ basis[:, order]).Q)
-
-    def _adam_in_basis(self, state, grad, t, beta1, beta2):
-        bases = [state[f"basis{d}"].float() for d in range(grad.ndim)]
-
-        def rotate(x):
-            return bases[0].T @ x @ bases[1] if x.ndim == 2 else bases[0].T @ x
-
-        def unrotate(x):
-            return bases[0] @ x @ bases[1].T if x.ndim == 2 else bases[0] @ x
-
-        momentum = ema_(state["momentum"], grad, beta1)
-        second = ema_square_(state["second"], rotate(grad), beta2)
-        return unrotate(adam_direction(rotate(momentum), second, t, beta1, beta2, self.eps))
-
-
-class AdamW(BlockOptimizer):
-    """AdamW (bias-corrected, decoupled weight decay), the track's baseline; blocks are whole pieces."""
-
-    name = "adamw"
-
-    def __init__(self, params, lr, betas, weight_decay, eps):
-        super().__init__(params, lr, betas, weight_decay, max_dim=2 ** 62, cost="poly")
-        self.eps = eps
-
-    def direction(self, i, grad):
-        beta1, beta2 = self.param_groups[0]["betas"]
-        t = self.step_count
-        state = self._block_state(i, grad)
-        return adam_direction(ema_(state["m"], grad, beta1), ema_square_(state["v"], grad, beta2), t, beta1, beta2,
-                              self.eps)
-
-    def _new_state(self, grad):
-        return dict(m=torch.zeros_like(grad), v=torch.zeros_like(grad))
-
-
-# --matrix_optimizer NAME -> (class, {constructor argument: Hyperparameters field}): a new track-3
-# optimizer is its class, its fields in Hyperparameters and one entry here.
-FACTOR_FLAGS = dict(max_dim="factor_max_dim", state_dtype="factor_dtype", cost="factor_block_cost")
-TRACK3_OPTIMIZERS = {
-    "shampoo": (Shampoo, dict(lr="shampoo_lr", betas="shampoo_betas", weight_decay="shampoo_wd", eps="shampoo_eps",
-                              precondition_frequency="shampoo_precondition_frequency",
-                              graft_beta2="shampoo_graft_beta2", graft_eps="shampoo_graft_eps", **FACTOR_FLAGS)),
-    "soap": (SOAP, dict(lr="soap_lr", betas="soap_betas", weight_decay="soap_wd", eps="soap_eps",
-                        precondition_frequency="soap_precondition_frequency", **FACTOR_FLAGS)),
-    "adamw": (AdamW, dict(lr="adamw_lr", betas="adamw_betas", weight_decay="adamw_wd", eps="adamw_eps")),
-}
-MATRIX_OPTIMIZERS = ("normuon", *TRACK3_OPTIMIZERS)
-
-
-def make_track3_optimizer(name, params, hp):
-    cls, flags = TRACK3_OPTIMIZERS[name]
-    return cls(params, **{argument: getattr(hp, flag) for argument, flag in flags.items()})
 
 # ----------------------------------------------------------------------------------------------
 # Schedule: the Stages, and Schedule.at(step): everything that changes with the step (record: 1380 in thirds + 10)
@@ -3695,8 +3192,8 @@ class RunLog:
     was cut short or edited is detected) and another separator. Lines logged before open() wait in
     memory: a run refused during its setup leaves no log, so its run id stays free."""
 
-    def __init__(self, path, enabled):
-        self.path, self.enabled, self.waiting = path, enabled, []
+    def __init__(self, path, enabled, hp):
+        self.path, self.enabled, self.hp, self.waiting = path, enabled, hp, []
 
     def open(self, continuing=False):
         """Create the log, exclusively (two runs never share or overwrite one), or append to it when
@@ -3711,8 +3208,9 @@ class RunLog:
                 raise ConfigError(run_id_taken(self.path)) from None
             try:
                 with f:
-                    f.write(script_source())
-                    f.write(f"{SEPARATOR}\n{environment_report()}script_sha256 {script_sha256()}\n{SEPARATOR}\n")
+                    f.write(run_source(self.hp))
+                    f.write(f"{SEPARATOR}\n{environment_report()}script_sha256 {script_sha256(self.hp)}\n"
+                            f"{SEPARATOR}\n")
             except BaseException as e:  # (a full disk, a stop signal, Ctrl-C)
                 self.path.unlink(missing_ok=True)  # a cut header would take the run id and record nothing
                 raise naming_file(e, self.path) if isinstance(e, OSError) else e
@@ -3820,15 +3318,22 @@ def environment_report():
     return "\n".join(lines) + "\n"
 
 
-def script_source():
-    """This script's text as logged (always ending with a newline)."""
+COMPANION_HEADER = "\n\n{dashes}\n# {name}\n{dashes}\n\n"  # before each companion file, as #89's logs
+
+
+def run_source(hp):
+    """The code of a run as its log carries it (always ending with a newline): this script, then each
+    companion file the run loads (companion_files) under COMPANION_HEADER."""
     source = Path(__file__).read_text(encoding="utf-8")
+    for name in companion_files(hp):
+        source += COMPANION_HEADER.format(dashes="-" * 40, name=name)
+        source += Path(__file__).with_name(name).read_text(encoding="utf-8")
     return source if source.endswith("\n") else source + "\n"
 
 
-def script_sha256():
-    """The sha256 of the logged script: written into logs and checkpoints, checked on replay and resume."""
-    return hashlib.sha256(script_source().encode("utf-8")).hexdigest()
+def script_sha256(hp):
+    """The sha256 of the logged code: written into logs and checkpoints, checked on replay and resume."""
+    return hashlib.sha256(run_source(hp).encode("utf-8")).hexdigest()
 
 
 def save_checkpoint(path, payload):
@@ -3918,7 +3423,7 @@ def check_resumable(path, snap, hp, total_steps):
                           f"resume an earlier checkpoint or lengthen the run")
     if hp.force:
         return
-    if snap["script_sha256"] != script_sha256():
+    if snap["script_sha256"] != script_sha256(hp):
         raise ConfigError(f"{path} was written by a different train_gpt.py; pass --force to resume anyway")
     changed = trajectory_changes(ours, theirs)
     if changed:
@@ -3957,7 +3462,7 @@ def check_log_continues(path, hp, total_steps, checkpoint_folder):
     without the final.pt that --save_checkpoint asks for: a stop during its write; the run then continues from
     its last checkpoint and writes it); otherwise the run id belongs to another run and is refused as taken."""
     text = path.read_text(encoding="utf-8", errors="replace")
-    head = script_source() + SEPARATOR + "\n"
+    head = run_source(hp) + SEPARATOR + "\n"
     if not text.startswith(head):
         raise ConfigError(f"{path} was written by a different train_gpt.py: the run id {path.stem!r} is taken by "
                           f"another run; pass another --run_id")
@@ -4049,7 +3554,7 @@ def rank_settings(hp, device, train_files, val_files, resume_step):
     the step it resumes at."""
     settings = {f"--{name}": _flag_text(value) for name, value in dataclasses.asdict(hp).items()
                 if name not in RANK_LOCAL_FLAGS}
-    settings.update({"script sha256": script_sha256(), "device type": device.type, "resume step": resume_step,
+    settings.update({"script sha256": script_sha256(hp), "device type": device.type, "resume step": resume_step,
                      "training shards": [Path(f).name for f in train_files],
                      "validation shards": [Path(f).name for f in val_files]})
     return settings
@@ -4273,8 +3778,8 @@ class RunStats:
 def model_flops_per_token(model, hp):
     """6 x (matmul weights: blocks + head) for forward+backward, plus attention's 12 x layers x hdim x
     mean keys per query (half the average long/short window of the last stage). Embedding lookups are free."""
-    matmul = sum(p.numel() for p in model.parameters() if p.label in ("attn", "attn_qk", "attn_vo", "mlp")) + \
-        model.lm_head.weight.numel()
+    hidden = ("attn", "attn_qk", "attn_vo", "mlp")
+    matmul = sum(p.numel() for p, spec in model.param_table() if spec.label in hidden) + model.lm_head.weight.numel()
     attn_layers = hp.num_layers - 1  # one layer has no attention (a paired layer's doubled stream costs the same)
     keys = 0.75 * hp.window_blocks[-1] * hp.window_block_tokens / 2
     return 6 * matmul + 12 * attn_layers * hp.num_heads * hp.head_dim * keys
@@ -4464,21 +3969,6 @@ def check_batch_splits(hp, world_size, accum):
     tokens_per_rank(hp.val_batch_size, world_size, accum, what="--val_batch_size")
 
 
-def count_ngram_prior(hp, files, log=None):
-    """--ngram_prior's NgramPrior (as wide as the head: padded_vocab) from every training shard's counts (the
-    trainer counts on the clock, and a resumed run counts again: the prior is not in checkpoints)."""
-    began = time.perf_counter()
-    unigrams, levels = count_ngrams([read_shard(path, hp.vocab_size) for path in files], hp.vocab_size,
-                                    hp.ngram_prior_order)
-    counted = time.perf_counter() - began
-    prior = NgramPrior(kneser_ney(unigrams, levels), hp.ngram_prior, padded_vocab(hp))
-    if log is not None:
-        log(f"ngram prior: counted {int(unigrams.sum()):,} training tokens ({levels[-1].counts.size:,} distinct "
-            f"{hp.ngram_prior_order}-grams) in {counted:.1f} s, Kneser-Ney model in "
-            f"{time.perf_counter() - began - counted:.1f} s ({prior.nbytes() / 2**20:,.0f} MiB)")
-    return prior
-
-
 def open_data(hp, rank, world_size, device, accum, log):
     """(training loader, validation tokens, validation files), every shard checked before any work."""
     if hp.micro_batch_tokens:
@@ -4602,10 +4092,9 @@ class Trainer:
         self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
         self.run_id = hp.run_id or str(uuid.uuid4())
         self.checkpoint_folder = Path(hp.log_dir) / "checkpoints" / self.run_id
-        self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0)
+        self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0, hp)
         with failing_together(self.device):  # everything that can be wrong with the input, before any work
             self.accum = grad_accum_steps(hp, self.world_size)
-            self.backend = backend_for(hp, self.device, self.accum)  # the device's paths (FP8 or not), decided once
             check_batch_splits(hp, self.world_size, self.accum)
             if self.rank == 0 and hp.run_id and lifetime is not None:  # (a fresh uuid needs no lock)
                 lifetime.enter_context(RunLock(self.log.path.parent / f"{self.run_id}.lock", hp.log_dir))
@@ -4618,13 +4107,17 @@ class Trainer:
             if self.resume_from is not None:
                 check_resumable(self.resume_path, self.resume_from, hp, self.total_steps)
                 check_same_shards(self.resume_path, self.resume_from["loader"], self.loader, hp.force, self.log)
+            # --ngram_prior's counts, on the clock (prior_ms joins the training time), and the device's paths
+            # (FP8 or not, the prior in the CPU loss), decided once
+            self.prior, self.prior_ms = self.count_prior() if hp.ngram_prior else (None, 0.0)
+            self.backend = backend_for(hp, self.device, self.accum, prior=self.prior)
         check_ranks_agree(rank_settings(hp, self.device, self.loader.files, val_files,
                                         self.resume_from["step"] if self.resume_from else 0))
         for warning in restart_warnings(hp):
             self.log(f"warning: {warning}")
         self.model, self.forward = start_model(hp, self.backend, self.device, self.world_size)
         self.fp8_mlp = self.model.fp8_mlp if self.model.mlp_in_fp8 else None
-        self.matrix_opt, self.adam = make_optimizers(self.model, hp)
+        self.matrix_opt, self.adam = make_optimizers(self.model, hp, self.backend)
         self.schedule = Schedule(hp, self.device)
         self.val_context = receptive_field(self.model.plan, self.schedule.window_pairs(), hp.window_block_tokens)
         val_chunk = tokens_per_rank(hp.val_batch_size, self.world_size, self.accum)
@@ -4632,12 +4125,17 @@ class Trainer:
             self.log(f"validation: forwards of {val_chunk:,} tokens in pieces of "
                      f"{validation_piece_length(val_chunk, hp.micro_batch_tokens, self.val_context):,} positions (at most "
                      f"{hp.micro_batch_tokens} tokens, after {self.val_context:,} of context: the receptive field)")
-        self.prior = None  # --ngram_prior's NgramPrior, counted at the start of the timed loop
         self.stats, self.clock = RunStats(self.device), TrainClock(self.device)
         self.profiler = StepProfiler(hp, self.run_id, self.total_steps, self.log)
         self.step, self.tokens_seen = 0, 0
         with failing_together(self.device):
             self.log.open(continuing)
+
+    def count_prior(self):
+        """(--ngram_prior's NgramPrior from the training shards, the ms it took)."""
+        began = time.perf_counter()
+        prior = load_companion("ngram_prior.py").count_ngram_prior(self.hp, self.loader.files, self.log)
+        return prior, 1000 * (time.perf_counter() - began)
 
     def begin_step(self, step):
         """The StepPlan of `step`, with its lr, momentum and YaRN state set."""
@@ -4657,8 +4155,8 @@ class Trainer:
         for _ in range(self.accum):
             # the training loss is a sum over tokens, so the pieces' losses add up to the micro-step's
             for batch in self.loader.next_pieces(rank_tokens, plan.max_seq_len, piece_cap(self.hp)):
-                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, plan.window_tensor, batch.bigram_ids,
-                                    plan.mtp_weights, batch.positions, batch.loss_mask, self.prior) / self.accum
+                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, plan.window_tensor,
+                                    batch.bigram_ids, plan.mtp_weights, batch.positions, batch.loss_mask) / self.accum
                 loss.backward()
                 total += loss.detach()
         if self.stop.received:
@@ -4682,8 +4180,7 @@ class Trainer:
                     self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size, self.accum,
                     self.device, hp.micro_batch_tokens, self.val_context, hp.bigram_vocab_size)]
             else:
-                losses = [self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids,
-                                       prior=self.prior)
+                losses = [self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids)
                           for batch in validation_batches(self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank,
                                                           self.world_size, self.accum, self.device, hp.bigram_vocab_size)]
             loss = torch.stack(losses).mean()
@@ -4696,9 +4193,9 @@ class Trainer:
         tokens, or the uncut forward's own mean."""
         if len(pieces) == 1 and pieces[0].loss_mask is None:
             batch = pieces[0]
-            return self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids, prior=self.prior)
+            return self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids)
         total = sum(self.forward(p.inputs, p.targets, p.cu_seqlens, windows, p.bigram_ids, positions=p.positions,
-                                 loss_mask=p.loss_mask, prior=self.prior) for p in pieces)
+                                 loss_mask=p.loss_mask) for p in pieces)
         return total / tokens_per_rank(self.hp.val_batch_size, self.world_size, self.accum)
 
     def snapshot(self):
@@ -4709,7 +4206,7 @@ class Trainer:
             model={k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in self.model.state_dict().items()},
             matrix=self.matrix_opt.state_dict(), adam=self.adam.state_dict(), loader=self.loader.state_dict(),
             rng=rng_state(self.device),
-            script_sha256=script_sha256(), world_size=self.world_size, hyperparameters=dataclasses.asdict(self.hp))
+            script_sha256=script_sha256(self.hp), world_size=self.world_size, hyperparameters=dataclasses.asdict(self.hp))
 
     def restore(self, snap):
         self.model.load_state_dict(snap["model"])
@@ -4786,9 +4283,8 @@ class Trainer:
         loss_check = LateLossCheck(self.device)
         val_losses, stopping = [], False
         self.loader.piece_counts[:] = 0  # the warm-up's pieces are not the run's
+        self.clock.ms += self.prior_ms  # (a resumed run counted again)
         self.clock.start()
-        if hp.ngram_prior:
-            self.prior = count_ngram_prior(hp, self.loader.files, self.log)
         for step in range(self.step, self.total_steps + 1):
             last = step == self.total_steps
             plan = self.begin_step(step)

@@ -7,6 +7,10 @@ Log-format contract (what ``train_gpt.py`` writes on rank 0 to ``logs/<run_id>.t
 --------------------------------------------------------------------------------------
 1. The trainer's source exactly as read from disk (UTF-8 text; it ends with a newline;
    if it does not, the trainer writes one newline so that the separator starts a line).
+   A run that loads files of its own beside the script (track3.py, ngram_prior.py) carries
+   each after it under a header, as modded-nanogpt's logs carry triton_kernels.py:
+   ``"\\n\\n" + "-" * 40 + "\\n# NAME\\n" + "-" * 40 + "\\n\\n"`` and the file's text
+   (``split_files``); older logs hold the script alone.
 2. A separator line: exactly 100 ``=`` characters followed by ``\\n``.
    The source itself must not contain a line that is exactly 100 ``=`` characters.
 3. The environment block (Python, torch, CUDA, Triton versions, ``nvidia-smi`` ...). Its
@@ -37,7 +41,9 @@ before its second one (it records neither ``script_sha256`` nor the arguments) i
 truncated or not a log of this trainer. ``extract`` returns every byte before the first
 separator line, so for a source that ends with a newline the extracted script is
 byte-for-byte the trainer's source; ``extract`` and ``replay`` check it against
-``script_sha256``. Step lines are parsed from the run output. The final validation loss of a
+``script_sha256``; ``extract`` prints the script alone (``--file NAME`` a companion file,
+``--all DIR`` every file), ``replay`` writes every file to a folder of its own and runs the
+script there, and ``diff`` compares the files one by one. Step lines are parsed from the run output. The final validation loss of a
 run is the last ``val_loss`` step line; the run's train time is that line's ``train_time``.
 
 Usage: ``python records/records.py {extract,replay,diff,stats,plot} --help``.
@@ -77,6 +83,9 @@ _VAL_RE = re.compile(
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _EMBEDDED_SHA_RE = re.compile(rb"^script_sha256 [0-9a-f]{64}\r?$", re.M)
 _WORLD_RE = re.compile(r"^world_size (\d+)(?:\s|$)", re.M)
+# the header before each companion file in a log's code part (train_gpt.COMPANION_HEADER)
+_COMPANION_RE = re.compile(rb"\n\n-{40}\n# ([A-Za-z0-9_.-]+\.py)\n-{40}\n\n")
+SCRIPT_NAME = "train_gpt.py"  # the script's name in a replay folder and in split_files
 # A replay is a new run: these recorded flags (each takes one value) are not passed on.
 DROPPED_FLAGS = ("--run_id", "--resume")
 
@@ -282,6 +291,16 @@ def replay_args(recorded, extra=()) -> list[str]:
     return out + list(extra)
 
 
+def split_files(code: bytes) -> dict[str, bytes]:
+    """{file name: bytes} of a log's code part: the script (as SCRIPT_NAME), then each companion
+    file under its header; an older log's code is the script alone."""
+    parts = _COMPANION_RE.split(code)
+    files = {SCRIPT_NAME: parts[0]}
+    for name, body in zip(parts[1::2], parts[2::2]):
+        files[name.decode()] = body
+    return files
+
+
 def extract_script_bytes(path) -> bytes:
     """The script part of a log, byte for byte (not verified; see verify_script)."""
     return read_log(path).script
@@ -381,8 +400,22 @@ def first_log(path) -> Path:
 # commands
 
 
+def files_of(path, names=()) -> tuple[Path, dict[str, bytes]]:
+    """(path, {file name: bytes}) of a log's code (split_files), a record folder's (its first log)
+    or a plain script's: the script as SCRIPT_NAME, with those of `names` that lie beside it."""
+    path, script = script_of(path)
+    if is_log(_read_bytes(path)):
+        return path, split_files(script)
+    files = {SCRIPT_NAME: script}
+    for name in names:
+        if name != SCRIPT_NAME and (path.parent / name).is_file():
+            files[name] = _read_bytes(path.parent / name)
+    return path, files
+
+
 def script_of(path) -> tuple[Path, bytes]:
-    """(name, script) for a log, a record folder (its first log) or a plain script file.
+    """(name, code) for a log (its whole code part), a record folder (its first log) or a plain
+    script file.
 
     A file with a separator line of 100 '=' is a log (checked like any log); a file without
     one is a script only if its name ends in .py and it is UTF-8 text.
@@ -404,14 +437,19 @@ def script_of(path) -> tuple[Path, bytes]:
 
 
 def script_diff(a, b, context: int = 3) -> str:
-    """Unified diff of two scripts: each a log, a record folder (its first log) or a script."""
-    la, sa = script_of(a)
-    lb, sb = script_of(b)
-    ta = sa.decode("utf-8", errors="replace").splitlines(keepends=True)
-    tb = sb.decode("utf-8", errors="replace").splitlines(keepends=True)
+    """Unified diff of two runs' code, file by file (the script, then each companion file of
+    either): each a log, a record folder (its first log) or a script (with its companions)."""
+    la, fa = files_of(a)
+    lb, fb = files_of(b, names=fa)
+    if not is_log(_read_bytes(la)):
+        la, fa = files_of(a, names=fb)
     lines = []
-    for line in difflib.unified_diff(ta, tb, fromfile=str(la), tofile=str(lb), n=context):
-        lines.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    for name in [*fa, *(n for n in fb if n not in fa)]:
+        ta = fa.get(name, b"").decode("utf-8", errors="replace").splitlines(keepends=True)
+        tb = fb.get(name, b"").decode("utf-8", errors="replace").splitlines(keepends=True)
+        names = (str(la), str(lb)) if name == SCRIPT_NAME else (f"{la}:{name}", f"{lb}:{name}")
+        for line in difflib.unified_diff(ta, tb, fromfile=names[0], tofile=names[1], n=context):
+            lines.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
     return "".join(lines)
 
 
@@ -605,7 +643,8 @@ def replay_command(log, extra_args=(), nproc: int | None = None, use_recorded_ar
 
 def replay(log, extra_args=(), nproc: int | None = None, workdir=None,
            use_recorded_args: bool = True, gpus=count_gpus, force: bool = False) -> int:
-    """Verify the log's script, write it to `<workdir>/.replay_<stem>.py`, run it, remove it.
+    """Verify the log's code, write its files to `<workdir>/.replay_<stem>/` (the script as
+    SCRIPT_NAME, each companion file beside it), run the script there, remove the folder.
 
     A log without a script_sha256 line is refused unless force (its script cannot be told
     from an edited one). workdir defaults to the repository root (so relative paths like
@@ -623,12 +662,15 @@ def replay(log, extra_args=(), nproc: int | None = None, workdir=None,
     workdir = Path(workdir) if workdir is not None else REPO_ROOT
     if not workdir.is_dir():
         raise RecordError(f"{workdir}: working folder does not exist")
-    tmp = workdir / f".replay_{log.stem}.py"
+    tmp = workdir / f".replay_{log.stem}"
     cmd = replay_command(log, extra_args, nproc=nproc, use_recorded_args=use_recorded_args,
-                         script_name=tmp.name, gpus=gpus, parts=parts)
+                         script_name=f"{tmp.name}/{SCRIPT_NAME}", gpus=gpus, parts=parts)
     try:
-        tmp.write_bytes(parts.script)
+        tmp.mkdir(exist_ok=True)
+        for name, data in split_files(parts.script).items():
+            (tmp / name).write_bytes(data)
     except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise RecordError(f"{tmp}: cannot write ({e.strerror or e})") from None
     try:
         print(f"records.py: replay: cd {shlex.quote(str(workdir))} && {shlex.join(cmd)}",
@@ -638,10 +680,7 @@ def replay(log, extra_args=(), nproc: int | None = None, workdir=None,
         except OSError as e:
             raise RecordError(f"{cmd[0]}: cannot run ({e.strerror or e})") from None
     finally:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -663,18 +702,24 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
 
     q = sub.add_parser("extract", help="print the script stored in a log",
-                       description="Print the script part of a log (everything before the "
-                                   "first line of 100 '='), byte for byte, after checking it "
-                                   "against the log's script_sha256 line (a mismatch is an "
-                                   "error; a log without that line gets a warning).")
+                       description="Print the script stored in a log, byte for byte, after "
+                                   "checking the log's code (everything before the first line "
+                                   "of 100 '=') against its script_sha256 line (a mismatch is "
+                                   "an error; a log without that line gets a warning). A run's "
+                                   "companion files (track3.py, ngram_prior.py) follow the script "
+                                   "in its log: --file NAME prints one, --all DIR writes every "
+                                   "file.")
     q.add_argument("log", metavar="LOG", help="log file or record folder (its first log)")
     q.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    q.add_argument("--file", default=SCRIPT_NAME, metavar="NAME",
+                   help=f"the file to print (default: the script, {SCRIPT_NAME})")
+    q.add_argument("--all", metavar="DIR", help="write every file of the log's code into DIR")
 
     q = sub.add_parser(
         "replay", help="run the script stored in a log, with its recorded arguments",
-        description="Check the script of LOG against its script_sha256 line, write it to "
-                    ".replay_<stem>.py in the working folder (default: the repository root, "
-                    "so relative data paths resolve), run it, remove it, and exit with the "
+        description="Check the code of LOG against its script_sha256 line, write its files "
+                    "to .replay_<stem>/ in the working folder (default: the repository root, "
+                    "so relative data paths resolve), run the script, remove them, and exit with the "
                     "run's exit code. Arguments: the log's recorded `args:` without --run_id "
                     "and --resume, then the arguments after `--` (the last occurrence of a "
                     "flag wins, so these override). Processes: --nproc, else the log's "
@@ -766,10 +811,19 @@ def _run(args, extra) -> int:
         log = first_log(args.log)
         parts = read_log(log)
         verify_script(log, parts)
+        files = split_files(parts.script)
+        if args.all:
+            Path(args.all).mkdir(parents=True, exist_ok=True)
+            for name, data in files.items():
+                write_output(Path(args.all) / name, data)
+            print(f"wrote {', '.join(files)} into {args.all}", file=sys.stderr)
+            return 0
+        if args.file not in files:
+            raise UsageError(f"--file {args.file}: {log} holds {', '.join(files)}")
         if args.output:
-            write_output(args.output, parts.script)
+            write_output(args.output, files[args.file])
         else:
-            write_stdout(parts.script)
+            write_stdout(files[args.file])
         return 0
     if args.cmd == "replay":
         return replay(args.log, extra, nproc=args.nproc, workdir=args.dir,
