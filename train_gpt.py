@@ -72,7 +72,8 @@ except ImportError:
     HAS_TRITON = False
 
 # ----------------------------------------------------------------------------------------------
-# Configuration: one dataclass; CLI flags and presets are generated from it
+# Configuration: one dataclass of hyperparameters and its presets (the CLI is generated from it,
+# after the fence)
 
 
 def hp_field(default, help):
@@ -188,7 +189,6 @@ class Hyperparameters:
     cpu_threads: int = hp_field(0, "torch threads per process on CPU (0: cores / local processes)")
 
 
-
 # The sections of Hyperparameters, by their first field: --help groups the flags by them, docs/configuration.md too.
 HP_SECTIONS = {"train_files": "data", "vocab_size": "model shape",
                "bigram_vocab_size": "recipe ideas, each switched off by the value after \"off:\"",
@@ -217,122 +217,6 @@ class ConfigError(ValueError):
     """A bad flag or combination of flags; main() prints it as one line."""
 
 
-def parse_bool(text):
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
-def build_arg_parser(prog="train_gpt.py", hp_class=None):
-    """--preset and one flag per field of `hp_class` (Hyperparameters, or track 3's), grouped by sections."""
-    hp_class = hp_class or Hyperparameters
-    sections = {**HP_SECTIONS, **getattr(sys.modules[hp_class.__module__], "HP_SECTIONS", {})}
-    parser = argparse.ArgumentParser(
-        prog=prog, allow_abbrev=False,  # --num_layer must not silently mean --num_layers
-        description="Train the speedrun GPT. Every field of Hyperparameters is a flag; the --preset's "
-                    "values are applied first, then the flags. Track 3's optimizers add their flags "
-                    "with --matrix_optimizer NAME (see docs/track3.md).",
-    )
-    hint = "" if hp_class is not Hyperparameters else "; track 3's flags need --matrix_optimizer NAME"
-
-    def one_line_error(message):  # instead of the ~25-line usage that buries the message
-        more = hint if message.startswith("unrecognized arguments") else ""
-        parser.exit(2, f"{parser.prog}: error: {message}{more} (see --help)\n")
-    parser.error = one_line_error
-    # argparse reads only plain decimals like -1.5 as negative numbers; -1e-3 and -1:2 would count
-    # as flags ("expected one argument") instead of reaching the range checks with their messages
-    parser._negative_number_matcher = re.compile(r"^-\.?\d")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="record",
-                        help="named configuration (default: record)")
-    parser.set_defaults(hp_class=hp_class)
-    group = parser
-    for f in fields(hp_class):
-        if f.name in sections:
-            group = parser.add_argument_group(sections[f.name])
-        group.add_argument(f"--{f.name}", **flag_options(f))
-    return parser
-
-
-def flag_options(f):
-    """argparse's options for the flag of the Hyperparameters field f."""
-    default = f.default
-    options = dict(default=None, help=f"{f.metadata['help']} (default: {default})")
-    if isinstance(default, bool):
-        options.update(type=parse_bool, metavar="BOOL", nargs="?", const=True)  # a bare --force: true
-    elif f.metadata.get("layers"):
-        options.update(type=int, nargs="*", metavar="LAYER")  # no value: none
-    elif isinstance(default, tuple):
-        kind = type(default[0])
-        options.update(type=kind, nargs=len(default), metavar=kind.__name__.upper())
-    else:
-        options.update(type=type(default), metavar=type(default).__name__.upper())
-    return options
-
-
-def hyperparameter_class(argv):
-    """Hyperparameters, or track 3's (with its optimizers' flags) when argv's --matrix_optimizer (or
-    its --preset's) is not normuon."""
-    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    probe.add_argument("--matrix_optimizer", nargs="?")
-    probe.add_argument("--preset", nargs="?")
-    known = probe.parse_known_args(argv)[0]
-    name = known.matrix_optimizer or PRESETS.get(known.preset, {}).get("matrix_optimizer", "normuon")
-    return Hyperparameters if name == "normuon" else load_companion("track3.py").Hyperparameters
-
-
-def parser_for(argv, prog="train_gpt.py"):
-    """The parser of argv's flags (build_arg_parser with hyperparameter_class(argv))."""
-    return build_arg_parser(prog, hyperparameter_class(argv))
-
-
-def hyperparameters_from(args):
-    """The preset's values, then the flags given in `args` (an argparse namespace). Validated."""
-    hp_class = args.hp_class
-    values = dataclasses.asdict(hp_class())
-    values.update(PRESETS[args.preset])
-    for f in fields(hp_class):
-        value = getattr(args, f.name)
-        if value is not None:
-            values[f.name] = tuple(value) if isinstance(value, list) else value
-    hp = hp_class(**values)
-    check_hyperparameters(hp)
-    return hp
-
-
-def parse_args(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    return hyperparameters_from(parser_for(argv).parse_args(argv))
-
-
-# Other tracks' code lives in files of its own beside this script, loaded only when a flag asks for
-# it: track3.py (--matrix_optimizer other than normuon) and ngram_prior.py (--ngram_prior above 0).
-# The log carries each file a run loads after the script (run_source).
-def companion_files(hp):
-    return ["track3.py"] * (hp.matrix_optimizer != "normuon") + ["ngram_prior.py"] * (hp.ngram_prior > 0)
-
-
-def load_companion(name):
-    """The module of the file `name` beside this script, imported once (it imports train_gpt: this
-    module, also when this module runs as __main__ or under another name)."""
-    path = Path(__file__).with_name(name)
-    module = sys.modules.get(path.stem)
-    if module is None:
-        sys.modules.setdefault("train_gpt", sys.modules[__name__])
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[path.stem] = module
-        try:
-            spec.loader.exec_module(module)
-        except FileNotFoundError:
-            del sys.modules[path.stem]
-            raise ConfigError(f"{path} is missing: this run needs it beside {Path(__file__).name} "
-                              f"(records.py replay writes every file of a log)") from None
-    return module
-
-
 MTP_HORIZON = 3  # the multi-token-prediction loss weighs the next 1, 2 and 3 tokens
 # The smallest --micro_batch_tokens cap: one attention tile. A piece runs its tokens, up to --max_seq_len tokens of
 # context and 2 targets, so 128-token pieces already spend ~17 positions per token trained at --max_seq_len 2048;
@@ -343,115 +227,6 @@ MIN_MICRO_BATCH_TOKENS = 128
 # is -inf) while --ngram_prior x ln(vocab) <= 87 (exp(-87) is about fp32's smallest normal): a weight <= 8.04.
 PRIOR_EXP_FLOOR = 87.0
 MAX_NGRAM_ORDER = 5  # --ngram_prior_order: a context of up to 4 tokens packs into a uint64 (count_ngrams)
-
-# (flags, test, what the test means): applied to every value of a tuple flag
-VALUE_RULES = [
-    (("val_tokens", "val_batch_size", "vocab_size", "num_layers", "num_heads", "head_dim", "model_dim",
-      "num_scheduled_iterations", "batch_sizes", "max_seq_len", "grad_accum_base", "window_block_tokens",
-      "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "bigram_dim", "softcap_scale",
-      "head_fp8_amax"), lambda v: v > 0, "must be positive"),
-    (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads",
-      "micro_batch_tokens", "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd",
-      "adam_wd", "lr_multipliers", "final_lr_multiplier", "bigram_vocab_size", "bigram_sign_rows",
-      "value_embed_std", "mudd_dim", "first_stage_max_seq_len", "mtp_weights_start", "mtp_weights_end",
-      "value_embed_tables", "ngram_prior"), lambda v: v >= 0, "must be >= 0"),
-    (("untie_stage",), lambda v: -1 <= v <= 3, "must be a stage (0-2, 3: the extension) or -1 (never)"),
-    (("window_blocks", "extension_window_blocks"), lambda v: v >= 2,
-     "must be at least 2 (short window = long // 2 blocks)"),
-    (("muon_momentum", "muon_beta2", "adam_betas"), lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    (("cooldown_frac",), lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    (("ngram_prior_order",), lambda v: 2 <= v <= MAX_NGRAM_ORDER, f"must be in 2 ... {MAX_NGRAM_ORDER}"),
-    (("seed",), lambda v: 0 <= v < 2 ** 63, "must be in [0, 2^63)"),
-]
-
-
-def value_rules(hp):
-    """VALUE_RULES, and track 3's for its optimizers' fields."""
-    if hp.matrix_optimizer == "normuon":
-        return VALUE_RULES
-    track3 = load_companion("track3.py")
-    if hp.matrix_optimizer not in track3.OPTIMIZERS or not isinstance(hp, track3.Hyperparameters):
-        raise ConfigError(f"--matrix_optimizer must be normuon or one of track3.py's "
-                          f"{', '.join(track3.OPTIMIZERS)}, got {hp.matrix_optimizer!r}")
-    track3.check_hyperparameters(hp)
-    return VALUE_RULES + track3.VALUE_RULES
-
-
-def check_hyperparameters(hp):
-    """Reject impossible values and combinations before any work, naming the flag."""
-    for f in fields(hp):
-        value = getattr(hp, f.name)
-        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, tuple) else [value])):
-            raise ConfigError(f"--{f.name} must be finite, got {value}")
-    for names, ok, meaning in value_rules(hp):
-        for name in names:
-            value = getattr(hp, name)
-            if not all(ok(v) for v in (value if isinstance(value, tuple) else [value])):
-                raise ConfigError(f"--{name} {meaning}, got {_flag_text(value)}")
-    for name, count, meaning in (("batch_sizes", 3, "one per third of the run"), ("lr_multipliers", 3, "one per third"),
-                                 ("window_blocks", 3, "one per third"), ("head_fp8_amax", 3, "activations, weights, "
-                                 "gradients"), ("mtp_weights_start", 3 * MTP_HORIZON, "3 tokens x 3 stages"),
-                                 ("mtp_weights_end", 3 * MTP_HORIZON, "3 tokens x 3 stages")):
-        if len(getattr(hp, name)) != count:
-            raise ConfigError(f"--{name} needs exactly {count} values ({meaning}), got {_flag_text(getattr(hp, name))}")
-    if hp.val_tokens % hp.val_batch_size:
-        raise ConfigError(f"--val_tokens {hp.val_tokens} must be a multiple of --val_batch_size {hp.val_batch_size}")
-    if hp.vocab_size <= BOS_ID:
-        raise ConfigError(f"--vocab_size {hp.vocab_size} must exceed {BOS_ID}, the shards' document-start token (GPT-2 ids)")
-    prior_bound = PRIOR_EXP_FLOOR / math.log(hp.vocab_size)
-    if hp.ngram_prior > prior_bound:
-        raise ConfigError(f"--ngram_prior {hp.ngram_prior:g} is above {prior_bound:.4g}: the CPU loss sums exp of the "
-                          f"logits in fp32, and under the prior a token's likeliest successor may have P = 1/"
-                          f"{hp.vocab_size}, so the weight x ln({hp.vocab_size}) must stay below {PRIOR_EXP_FLOOR:g} "
-                          f"(else exp underflows to 0 and the loss is -inf); use a weight up to {prior_bound:.4g}")
-    if hp.num_heads * hp.head_dim != hp.model_dim:
-        raise ConfigError(f"--num_heads x --head_dim must equal --model_dim (the merged QKVO weight applies O as a "
-                          f"{hp.model_dim} x {hp.model_dim} map); got {hp.num_heads} x {hp.head_dim} vs {hp.model_dim}")
-    if hp.model_dim < GATE_INPUTS:
-        raise ConfigError(f"--model_dim {hp.model_dim} is below {GATE_INPUTS}: the smear and attention gates read the "
-                          f"first {GATE_INPUTS} channels")
-    if hp.head_dim % 4:
-        raise ConfigError(f"--head_dim must be a multiple of 4 (half-truncated RoPE splits it in quarters), got {hp.head_dim}")
-    longest_window = max(*hp.window_blocks, hp.extension_window_blocks) * hp.window_block_tokens
-    if longest_window > hp.max_seq_len:
-        raise ConfigError(f"the longest training window ({longest_window} tokens = --window_blocks/--extension_window_blocks "
-                          f"x --window_block_tokens) exceeds --max_seq_len {hp.max_seq_len}; shrink the window")
-    if hp.first_stage_max_seq_len and hp.window_blocks[0] * hp.window_block_tokens > hp.first_stage_max_seq_len:
-        raise ConfigError(f"the first third's window ({hp.window_blocks[0] * hp.window_block_tokens} tokens) exceeds "
-                          f"--first_stage_max_seq_len {hp.first_stage_max_seq_len}; shrink the window")
-    if hp.bigram_vocab_size == 1 or (hp.bigram_vocab_size and hp.bigram_dim > hp.model_dim):
-        raise ConfigError(f"--bigram_vocab_size must be 0 (off) or at least 2 and --bigram_dim at most --model_dim, got "
-                          f"{hp.bigram_vocab_size} and {hp.bigram_dim}")
-    if 0 < hp.micro_batch_tokens < MIN_MICRO_BATCH_TOKENS:
-        raise ConfigError(f"--micro_batch_tokens {hp.micro_batch_tokens} is below {MIN_MICRO_BATCH_TOKENS}, the smallest "
-                          f"cap: every piece also runs up to --max_seq_len tokens of context, so smaller pieces cost a "
-                          f"forward of mostly context each; pass 0 (no cap) or at least {MIN_MICRO_BATCH_TOKENS}")
-    if hp.save_every % 2:
-        raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
-    if hp.device not in ("auto", "cuda", "cpu"):
-        raise ConfigError(f"--device must be one of auto, cuda, cpu, got {hp.device!r}")
-    if hp.fp8 not in ("auto", "on", "off"):
-        raise ConfigError(f"--fp8 must be auto, on or off, got {hp.fp8!r}")
-    if hp.profile and not _parse_profile_range(hp.profile):
-        raise ConfigError(f"--profile must look like START:END with 0 <= START < END, got {hp.profile!r}")
-    if hp.resume == "auto" and not hp.run_id:
-        raise ConfigError("--resume auto needs --run_id (it finds the run's checkpoints and log by it); pass the same "
-                          "--run_id to every start of the run")
-    if hp.run_id and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", hp.run_id):
-        raise ConfigError(f"--run_id may hold letters, digits, '.', '_' and '-', not first (it names a file), got {hp.run_id!r}")
-    layer_roles_of(hp)  # raises ConfigError for depths and layer lists without a valid layout
-
-
-def _flag_text(value):
-    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
-
-
-def _parse_profile_range(text):
-    try:
-        start, end = (int(v) for v in text.split(":"))
-    except ValueError:
-        return None
-    return (start, end) if 0 <= start < end else None
 
 
 def grad_accum_steps(hp, world_size):
@@ -467,7 +242,9 @@ def tokens_per_rank(batch_tokens, world_size, accum, what="--batch_sizes"):
     return batch_tokens // (world_size * accum)
 
 # ----------------------------------------------------------------------------------------------
-# Data: .bin shards, BOS-aligned distributed batches, validation batches, a synthetic corpus
+# Data: .bin shards, BOS-aligned distributed batches (in pieces under --micro_batch_tokens),
+# validation batches
+
 
 BOS_ID = 50256  # <|endoftext|>: every document starts with it
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
@@ -518,78 +295,6 @@ def read_shard(path, vocab_size=None, max_tokens=None):
 
 
 SHARD_SAMPLES, SHARD_SAMPLE_BYTES = 64, 4096  # what shard_fingerprint reads besides the header: 256 KiB
-
-
-def shard_fingerprint(path):
-    """(size in bytes, sha256 of the header and of 64 blocks of 4 KiB spread evenly over the tokens): what a
-    checkpoint records of each training shard, so that another shard under the same name is noticed on resume and
-    by tools/sample.py. A shard up to 257 KiB is hashed whole; in a larger one an edit between the blocks goes
-    unseen (a cheap check: 65 reads whatever the size)."""
-    header_bytes = SHARD_HEADER_INTS * 4
-    digest = hashlib.sha256()
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            digest.update(f.read(header_bytes))
-            span = max(size - header_bytes - SHARD_SAMPLE_BYTES, 0)
-            for i in range(SHARD_SAMPLES):
-                f.seek(header_bytes + span * i // (SHARD_SAMPLES - 1))
-                digest.update(f.read(SHARD_SAMPLE_BYTES))
-    except OSError as e:
-        raise DataError(f"{path}: cannot read shard ({e.strerror or e})") from None
-    return size, digest.hexdigest()
-
-
-def write_shard(path, tokens):
-    """Write GPT-2 token ids as a .bin shard atomically: a unique temp file in the same folder,
-    removed on failure, renamed into place on success."""
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
-        raise DataError(f"{path}: refusing to write a {tokens.ndim}-D array of {tokens.dtype}: tokens must be a 1-D "
-                        f"array of integer ids")
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= GPT2_VOCAB_SIZE):
-        bad = tokens.min() if tokens.min() < 0 else tokens.max()
-        raise DataError(f"{path}: refusing to write token id {bad}: ids must be in [0, {GPT2_VOCAB_SIZE})")
-    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
-    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    write_atomically(Path(path), header.tobytes() + tokens.astype("<u2").tobytes())
-
-
-def write_atomically(path, data):
-    """Write bytes via a unique temp file next to `path`, fsync, rename: readers see the old file or
-    the new one, never a part; the temp file is removed if anything fails. The temp name records the
-    host and process, so remove_stale_temp_files can tell a killed write from a running one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}~{platform.node()}~{os.getpid()}~{uuid.uuid4().hex[:8]}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # usual permissions, unlike mkstemp's 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def remove_stale_temp_files(folder):
-    """Delete the temp files of writes that were killed (this host's, whose process is gone)."""
-    removed = []
-    for tmp in Path(folder).glob(".*~*~*~*.tmp"):
-        _, host, pid, _ = tmp.name.rsplit("~", 3)
-        if host != platform.node() or not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-                removed.append(tmp)
-        except OSError:
-            pass  # alive, another user's
-    return removed
 
 
 class BosIndex:
@@ -964,42 +669,9 @@ def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accu
         yield [context_piece(buf, lengths, max(0, start - context), start, min(start + max_piece_tokens, n), 0, length,
                              device, ids) for start in range(0, n, max_piece_tokens)]
 
-
-def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512, topics=8):
-    """Write a deterministic corpus with learnable structure: BOS-started documents, each with a topic,
-    generated by a topic-dependent sparse Markov chain (4 successors per token, probs .6/.25/.1/.05).
-    A model must use context (the topic) and the previous token to reach ~1.1 nats/token;
-    the unigram entropy is ~ln(vocab). Returns the (train, val) paths."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    token_ids = rng.choice(np.arange(1000, 50000), size=vocab, replace=False)
-    successors = rng.integers(0, vocab, size=(topics, vocab, 4))
-    probs = np.array([0.6, 0.25, 0.1, 0.05])
-    paths = []
-    for name, n_tokens in (("synthetic_val_000000.bin", val_tokens), ("synthetic_train_000001.bin", train_tokens)):
-        docs = []
-        total = 0
-        while total < n_tokens:
-            n_docs, doc_len = 512, 1024
-            topic = rng.integers(0, topics, size=n_docs)
-            state = rng.integers(0, vocab, size=n_docs)
-            choices = rng.choice(4, size=(doc_len, n_docs), p=probs)
-            seq = np.empty((n_docs, doc_len), dtype=np.int64)
-            for t in range(doc_len):
-                seq[:, t] = state
-                state = successors[topic, state, choices[t]]
-            lengths = rng.integers(32, doc_len, size=n_docs)
-            for row, length in zip(seq, lengths):
-                docs.append(np.concatenate([[BOS_ID], token_ids[row[:length]]]))
-                total += length + 1
-        path = out_dir / name
-        write_shard(path, np.concatenate(docs)[:n_tokens])
-        paths.append(path)
-    return paths
-
 # ----------------------------------------------------------------------------------------------
-# Model: recipe 89's GPT, each layer's work resolved once into a LayerPlan (the head follows)
+# Model: recipe 89's GPT, each layer's work resolved once into a LayerPlan; the parameter table
+
 
 GATE_INPUTS = 12  # the smear and attention gates read the first 12 channels of their input
 ATTN_BLOCK = 128  # FlexAttention tile size (tokens)
@@ -1693,9 +1365,10 @@ class GPT(nn.Module):
         """YaRN for the (short, long) windows in blocks the next forwards use (see Rotary.follow_window)."""
         self.rotary.follow_window(window_blocks[1] * self.window_block_tokens)
 
-
 # ----------------------------------------------------------------------------------------------
-# Head and losses: the FP8 head op, softcapped multi-token loss (fused in FP8), the FP8 MLP
+# Head and losses: the FP8 head op, softcapped multi-token loss (fused in FP8), the FP8 MLP;
+# backend_for, which picks a device's paths once
+
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
 E5M2_MAX = 57344.0  # the largest finite float8_e5m2 value
@@ -2084,142 +1757,6 @@ class FP8MLPWeights(nn.Module):
         self.act_scales[i].copy_(post_amax.clamp(min=1e-12) * (self.ACT_HEADROOM / E4M3_MAX))
         return out
 
-# ----------------------------------------------------------------------------------------------
-# CPU fallbacks and the Backend: tiled SDPA attention, a chunked loss, fp32 Polar Express; backend_for
-
-# FlexAttention has no CPU backward, so attention runs as tiled SDPA with the same mask; the softcapped loss
-# runs in chunks with its gradients formed on the way; Polar Express runs in fp32 (make_optimizers), as bf16
-# matmuls without native support are ~20x slower.
-
-def local_window_mask(docs, window_tokens):
-    """Queries in tiles of ATTN_BLOCK; each tile sees the window_tokens keys before it plus itself.
-    Returns (tile mask, keys looked back)."""
-    seq_len = docs.numel()
-    n_tiles = -(-seq_len // ATTN_BLOCK)
-    lookback = min(int(window_tokens), seq_len)  # a shape: the CPU path reads the window on the host
-    # Padding positions get one extra document id, so every query row has at least itself unmasked.
-    padded = torch.cat([docs, (docs[-1:] + 1).expand(n_tiles * ATTN_BLOCK - seq_len)])
-    q_pos = torch.arange(n_tiles * ATTN_BLOCK, device=docs.device).view(n_tiles, ATTN_BLOCK, 1)
-    k_pos = (torch.arange(n_tiles, device=docs.device)[:, None] * ATTN_BLOCK - lookback
-             + torch.arange(lookback + ATTN_BLOCK, device=docs.device)[None, :])[:, None, :]
-    k_doc = padded[k_pos.clamp_min(0)]
-    allowed = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos - k_pos <= window_tokens) & (padded[q_pos] == k_doc)
-    return allowed[:, None], lookback
-
-
-def local_window_attention(q, k, v, mask, scale):
-    """q, k, v (T, H, D) -> (T, H, D) with the tiles of local_window_mask, via one batched SDPA."""
-    allowed, lookback = mask
-    seq_len, n_tiles = q.size(0), allowed.size(0)
-    tail = n_tiles * ATTN_BLOCK - seq_len
-
-    def windows(t):  # (T, H, D) -> (tiles, H, lookback + ATTN_BLOCK, D)
-        t = F.pad(t, (0, 0, 0, 0, lookback, tail))
-        return t.unfold(0, lookback + ATTN_BLOCK, ATTN_BLOCK).permute(0, 1, 3, 2)
-
-    q = q * scale.to(q.dtype)  # the softmax scale, applied without reading it on the host
-    q_tiles = F.pad(q, (0, 0, 0, 0, 0, tail)).view(n_tiles, ATTN_BLOCK, *q.shape[1:]).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q_tiles, windows(k), windows(v), attn_mask=allowed, scale=1.0)
-    return y.transpose(1, 2).reshape(n_tiles * ATTN_BLOCK, *q.shape[1:])[:seq_len]
-
-
-class TiledWindowAttention:
-    """The CPU attention: same mask semantics as FlexWindowAttention, via one batched SDPA over tiles."""
-
-    mask = staticmethod(local_window_mask)
-
-    def __call__(self, q, k, v, mask, scale):
-        return local_window_attention(q, k, v, mask, scale)
-
-
-SOFTCAP_CHUNK = 512  # rows of logits alive at once in the CPU loss
-
-
-def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, loss_mask=None, prior=None,
-                         prior_rows=None):
-    """Summed cross-entropy of the softcapped logits of x @ w.T (with mtp_weights: the multi-token
-    loss; with loss_mask: over its terms, as multi_token_loss; with an NgramPrior: plus its rows of the
-    contexts prior_rows, NgramPrior.context_rows of the inputs), SOFTCAP_CHUNK rows at a time; with_grads also forms d loss / d x
-    and d loss / d w on the way.
-    On CPU, eager elementwise passes over full (tokens, vocab) logits dominate; on GPU the compiled
-    graph fuses them instead."""
-    scale, n = softcap.scale, x.size(0)
-    weights = [1.0] if mtp_weights is None else mtp_weights  # 0-dim tensors: no host read
-    grad_x = torch.empty_like(x) if with_grads else None
-    grad_w = torch.zeros_like(w) if with_grads else None
-    total = x.new_zeros((), dtype=torch.float32)
-    for start in range(0, n, SOFTCAP_CHUNK):
-        xc = x[start: start + SOFTCAP_CHUNK]
-        rows = torch.arange(xc.size(0), device=x.device)
-        # the targets of the next len(weights) tokens that exist: row r of horizon k targets token start + r + k
-        horizons = [(wk, targets[start + k: start + k + xc.size(0)]) for k, wk in enumerate(weights) if start + k < n]
-        if loss_mask is not None:  # each horizon's weight per row: 0 where the mask or the target says no
-            horizons = [(wk * (loss_mask[start: start + tk.numel()] & (tk >= 0)), tk.clamp_min(0)) for wk, tk in horizons]
-        logits = (xc @ w.T).float()
-        if softcap.offset:
-            logits.add_(softcap.offset)
-        logits.div_(SOFTCAP_WIDTH).sigmoid_().mul_(scale)
-        # d logits / d z = scale * s (1 - s) / SOFTCAP_WIDTH with s = logits / scale,
-        # i.e. logits * (scale - logits) / (scale * SOFTCAP_WIDTH)
-        slope = torch.rsub(logits, scale).mul_(logits) if with_grads else None
-        if prior is not None:  # a constant: d loss / d logits keeps its form, with the softmax of the sum
-            prior.add_to(logits, prior_rows[:, start: start + xc.size(0)])
-        picked = [logits[rows[: tk.numel()], tk] for _, tk in horizons]
-        probs = logits.exp_()  # logits lie below scale (a prior's log-probabilities are <= 0): exp cannot overflow
-        sum_exp = probs.sum(dim=1)
-        log_sum = sum_exp.log()
-        for (wk, tk), z in zip(horizons, picked):
-            if loss_mask is not None:
-                total += (wk * (log_sum[: tk.numel()] - z)).sum()
-                continue
-            term = (log_sum[: tk.numel()] - z).sum()
-            total += term if mtp_weights is None else wk * term
-        if with_grads:
-            probs.mul_(sum_exp.reciprocal_()[:, None])
-            if loss_mask is not None:
-                probs.mul_(sum(F.pad(wk, (0, xc.size(0) - wk.numel())) for wk, _ in horizons)[:, None])
-            elif mtp_weights is not None:  # each row's probabilities once per horizon it predicts
-                probs.mul_(sum(torch.where(rows < tk.numel(), wk, 0.0) for wk, tk in horizons)[:, None])
-            for wk, tk in horizons:  # one target per row and horizon
-                probs[rows[: tk.numel()], tk] -= wk
-            grad_logits = probs.mul_(slope)
-            grad_x[start: start + SOFTCAP_CHUNK] = (grad_logits @ w.float()).div_(scale * SOFTCAP_WIDTH).to(x.dtype)
-            grad_w += (grad_logits.T @ xc.float()).div_(scale * SOFTCAP_WIDTH).to(w.dtype)
-    return total, grad_x, grad_w
-
-
-class ChunkedSoftcapLoss(torch.autograd.Function):
-    """chunked_softcap_loss as an autograd op: gradients come from the forward pass, so no
-    (tokens, vocab) tensor outlives one chunk."""
-
-    @staticmethod
-    def forward(ctx, x, w, targets, softcap, mtp_weights, loss_mask, prior=None, prior_rows=None):
-        total, grad_x, grad_w = chunked_softcap_loss(x, w, targets, True, softcap, mtp_weights, loss_mask, prior,
-                                                     prior_rows)
-        ctx.save_for_backward(grad_x, grad_w)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_total, grad_w * grad_total, None, None, None, None, None, None
-
-
-def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None,
-                                  loss_mask=None, inputs=None, prior=None):
-    """softcap_cross_entropy for the CPU: same values, chunked (fp8_scales and the sigmoid's bf16
-    rounding are ignored: no FP8 on CPU, and the CPU path computes in fp32); with --ngram_prior's
-    NgramPrior (backend_for binds it) its rows of the contexts in `inputs` join the logits."""
-    prior_rows = None if prior is None else prior.context_rows(inputs)
-    if training:
-        return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights, loss_mask, prior, prior_rows)
-    if loss_mask is not None:  # a validation piece: its summed loss
-        return chunked_softcap_loss(x, weight, targets, False, softcap, None, loss_mask, prior, prior_rows)[0]
-    return chunked_softcap_loss(x, weight, targets, False, softcap, prior=prior, prior_rows=prior_rows)[0] / x.size(0)
-
-
-CPU_POLAR_EXPRESS = dict(use_triton=False, dtype=torch.float32)
-
 
 def uses_fp8(hp, device, fp8_hardware=None):
     """Whether training runs the head (and recipe 89's MLP) in FP8, the one place it is decided: --fp8, and for auto
@@ -2262,7 +1799,8 @@ def bf16_params(model):
             if (spec.optimizer == "adam" and spec.label not in fp32_groups) or spec.label == "gate"]
 
 # ----------------------------------------------------------------------------------------------
-# Optimizers: Polar Express (Triton kernels on GPU), NorMuon, sharded DistAdam, and the record's wiring
+# Optimizers: Polar Express (Triton kernels on GPU), NorMuon, sharded DistAdam, and their wiring
+
 
 # NorMuon trains the hidden matrices and gates, DistAdam the embedding/head, value embeddings and scalars;
 # make_optimizers and step_optimizers wire them as the record does.
@@ -3030,9 +2568,9 @@ def step_optimizers(plan, matrix_opt, adam):
     if plan.unties_after:
         adam.untie()
 
-
 # ----------------------------------------------------------------------------------------------
-# Schedule: the Stages, and Schedule.at(step): everything that changes with the step (record: 1380 in thirds + 10)
+# Schedule: the Stages, and Schedule.at(step): everything that changes with the step
+# (record: 1380 steps in thirds + 10)
 
 
 # The float expressions below follow the reference recipes' schedule functions operation for
@@ -3173,7 +2711,717 @@ def start_step(plan, model, *optimizers):
     model.follow_window(plan.windows)
 
 # ----------------------------------------------------------------------------------------------
-# Run bookkeeping: the log and run lock, checkpoints and resume checks, ranks, stop signals, profiler
+# Training: the run's data and model, Trainer (warm-up, timed steps, validation)
+
+
+def micro_step_pieces(hp, world_size, accum):
+    """[(tokens of a micro-step per rank, the positions of each forward it runs as)] of the run's stages, each
+    pair once (one compiled length each)."""
+    pairs = []
+    for stage in Schedule(hp).stages[:3]:
+        tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
+        pair = (tokens, padded_piece_length(tokens, piece_cap(hp), stage.max_seq_len))
+        if pair not in pairs:
+            pairs.append(pair)
+    return pairs
+
+
+def finite_validation_loss(value):
+    if not math.isfinite(value):
+        raise FloatingPointError(f"validation loss is {value}; lower the learning rates (--muon_lr/--adam_lr) or "
+                                 f"check the data, then rerun")
+    return value
+
+
+def step_line(step, total_steps, ms, val_loss=None):
+    val = f" val_loss:{val_loss:.4f}" if val_loss is not None else ""
+    return f"step:{step}/{total_steps}{val} train_time:{ms:.0f}ms step_avg:{ms / max(step, 1):.2f}ms"
+
+
+def open_data(hp, rank, world_size, device, accum, log):
+    """(training loader, validation tokens, validation files), every shard checked before any work."""
+    if hp.micro_batch_tokens:
+        log(f"micro_batch_tokens {hp.micro_batch_tokens}: micro-steps of "
+            f"{describe_pieces(micro_step_pieces(hp, world_size, accum))} (documents in order, at most "
+            f"{hp.micro_batch_tokens} tokens a piece, with the previous document and 2 targets of context, padded)")
+    train_pattern, val_pattern, data_description = resolve_data(hp, rank)
+    log(f"data: {data_description}")
+    val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
+    loader = TrainLoader(train_pattern, rank, world_size, device, hp.cycle_data, vocab_size=hp.vocab_size,
+                         bigram_rows=hp.bigram_vocab_size)
+    per_micro_step = max(hp.batch_sizes) // accum + world_size  # one micro-step comes from one shard
+    if per_micro_step > max(loader.shard_tokens):
+        raise DataError(f"--batch_sizes {max(hp.batch_sizes)} takes {per_micro_step} tokens per micro-step from one "
+                        f"shard, but the largest training shard holds {max(loader.shard_tokens)}; use smaller batches "
+                        f"or larger shards")
+    if not hp.cycle_data:
+        check_shards_last(hp, loader.files, loader.shard_tokens, world_size, accum)
+    return loader, val_tokens, sorted(glob.glob(val_pattern))
+
+
+def start_model(hp, backend, device, world_size):
+    """(model, its forward: compiled on CUDA) from --seed, the same on every rank (rank 0's weights and
+    buffers, such as the bigram signs, are broadcast)."""
+    torch.manual_seed(hp.seed)
+    model = GPT(hp, backend, device)
+    if world_size > 1:  # what a checkpoint holds; the FP8 MLP copies (gloo has no float8) are made again
+        for t in model.state_dict().values():
+            if isinstance(t, Tensor):
+                dist.broadcast(t, 0)
+        if model.mlp_in_fp8:
+            model.fp8_mlp.requantize(model.layers)
+    if device.type == "cuda" and hp.compile:
+        torch._dynamo.config.cache_size_limit = 64
+        return model, torch.compile(model, dynamic=False, fullgraph=True)
+    return model, model
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class TrainClock:
+    """Training time in ms; it runs only during training steps (synchronized before each reading)."""
+
+    def __init__(self, device):
+        self.device, self.ms, self.started = device, 0.0, None
+
+    def start(self):
+        synchronize(self.device)
+        self.started = time.perf_counter()
+
+    def running_ms(self):
+        """The time so far without a synchronization (the step lines' approximate figure)."""
+        return self.ms + 1000 * (time.perf_counter() - self.started)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Validation and checkpoints do not count as training time."""
+        synchronize(self.device)
+        self.ms = self.running_ms()
+        yield
+        self.start()
+
+
+class Trainer:
+    """Holds the run's moving parts: setup in __init__, warm_up(), then run(), the timed loop."""
+
+    def __init__(self, hp, argv=(), stop=None, lifetime=None):
+        """`lifetime` (an ExitStack: main's) holds the run lock until the process is done with the run."""
+        self.hp, self.stop = hp, stop or StopSignals()  # (one not entered never hears a signal)
+        self.rank, self.world_size, self.device = setup_distributed(hp)
+        self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
+        self.run_id = hp.run_id or str(uuid.uuid4())
+        self.checkpoint_folder = Path(hp.log_dir) / "checkpoints" / self.run_id
+        self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0, hp)
+        with failing_together(self.device):  # everything that can be wrong with the input, before any work
+            self.accum = grad_accum_steps(hp, self.world_size)
+            check_batch_splits(hp, self.world_size, self.accum)
+            if self.rank == 0 and hp.run_id and lifetime is not None:  # (a fresh uuid needs no lock)
+                lifetime.enter_context(RunLock(self.log.path.parent / f"{self.run_id}.lock", hp.log_dir))
+            continuing = self.rank == 0 and check_outputs(hp, self.log.path, self.checkpoint_folder, self.total_steps)
+            log_arguments(self.log, argv, hp, continuing)
+            self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
+            self.loader, self.val_tokens, val_files = open_data(hp, self.rank, self.world_size, self.device, self.accum,
+                                                                self.log)
+            self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder, self.log, continuing)
+            if self.resume_from is not None:
+                check_resumable(self.resume_path, self.resume_from, hp, self.total_steps)
+                check_same_shards(self.resume_path, self.resume_from["loader"], self.loader, hp.force, self.log)
+            # --ngram_prior's counts, on the clock (prior_ms joins the training time), and the device's paths
+            # (FP8 or not, the prior in the CPU loss), decided once
+            self.prior, self.prior_ms = self.count_prior() if hp.ngram_prior else (None, 0.0)
+            self.backend = backend_for(hp, self.device, self.accum, prior=self.prior)
+        check_ranks_agree(rank_settings(hp, self.device, self.loader.files, val_files,
+                                        self.resume_from["step"] if self.resume_from else 0))
+        for warning in restart_warnings(hp):
+            self.log(f"warning: {warning}")
+        self.model, self.forward = start_model(hp, self.backend, self.device, self.world_size)
+        self.fp8_mlp = self.model.fp8_mlp if self.model.mlp_in_fp8 else None
+        self.matrix_opt, self.adam = make_optimizers(self.model, hp, self.backend)
+        self.schedule = Schedule(hp, self.device)
+        self.val_context = receptive_field(self.model.plan, self.schedule.window_pairs(), hp.window_block_tokens)
+        val_chunk = tokens_per_rank(hp.val_batch_size, self.world_size, self.accum)
+        if val_chunk > piece_cap(hp):
+            self.log(f"validation: forwards of {val_chunk:,} tokens in pieces of "
+                     f"{validation_piece_length(val_chunk, hp.micro_batch_tokens, self.val_context):,} positions (at most "
+                     f"{hp.micro_batch_tokens} tokens, after {self.val_context:,} of context: the receptive field)")
+        self.stats, self.clock = RunStats(self.device), TrainClock(self.device)
+        self.profiler = StepProfiler(hp, self.run_id, self.total_steps, self.log)
+        self.step, self.tokens_seen = 0, 0
+        with failing_together(self.device):
+            self.log.open(continuing)
+
+    def count_prior(self):
+        """(--ngram_prior's NgramPrior from the training shards, the ms it took)."""
+        began = time.perf_counter()
+        prior = load_companion("ngram_prior.py").count_ngram_prior(self.hp, self.loader.files, self.log)
+        return prior, 1000 * (time.perf_counter() - began)
+
+    def begin_step(self, step):
+        """The StepPlan of `step`, with its lr, momentum and YaRN state set."""
+        plan = self.schedule.at(step)
+        start_step(plan, self.model, self.matrix_opt, self.adam)
+        return plan
+
+    def train_step(self, plan):
+        """One optimizer step as `plan` (begin_step) says: `accum` micro-batches forward and backward (each in
+        pieces of at most --micro_batch_tokens), the optimizers. Returns ([the step's loss, the ranks that got a
+        stop signal] as a device tensor, the async all-reduce that sums it over the ranks, or None alone); no
+        host-device synchronization happens inside."""
+        rank_tokens = tokens_per_rank(plan.batch_tokens, self.world_size, self.accum)
+        self.model.train()
+        totals = torch.zeros(2, device=self.device)
+        total, stop_votes = totals.unbind()
+        for _ in range(self.accum):
+            # the training loss is a sum over tokens, so the pieces' losses add up to the micro-step's
+            for batch in self.loader.next_pieces(rank_tokens, plan.max_seq_len, piece_cap(self.hp)):
+                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, plan.window_tensor,
+                                    batch.bigram_ids, plan.mtp_weights, batch.positions, batch.loss_mask) / self.accum
+                loss.backward()
+                total += loss.detach()
+        if self.stop.received:
+            stop_votes += 1
+        step_optimizers(plan, self.matrix_opt, self.adam)
+        if self.fp8_mlp is not None:
+            self.fp8_mlp.quantize(self.model.layers, bootstrap=plan.step < FP8MLPWeights.BOOTSTRAP_STEPS)
+        self.tokens_seen += rank_tokens * self.accum * self.world_size
+        # one all-reduce, after the optimizers' collectives (it would hold them up before): a non-finite
+        # loss or a stop signal on any rank stops every rank at the same step
+        return totals, dist.all_reduce(totals, async_op=True) if self.world_size > 1 else None
+
+    @torch.no_grad()
+    def validate(self, windows):
+        """Mean loss over the validation tokens, all ranks together, with the given windows (a StepPlan's tensor)."""
+        hp = self.hp
+        self.model.eval()
+        with self.stats.eval_memory():
+            if hp.micro_batch_tokens:
+                losses = [self.validation_loss(pieces, windows) for pieces in validation_pieces(
+                    self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size, self.accum,
+                    self.device, hp.micro_batch_tokens, self.val_context, hp.bigram_vocab_size)]
+            else:
+                losses = [self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids)
+                          for batch in validation_batches(self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank,
+                                                          self.world_size, self.accum, self.device, hp.bigram_vocab_size)]
+            loss = torch.stack(losses).mean()
+        if self.world_size > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        return finite_validation_loss(loss.item())
+
+    def validation_loss(self, pieces, windows):
+        """Mean loss of one validation forward run as `pieces` (validation_pieces): their summed losses over its
+        tokens, or the uncut forward's own mean."""
+        if len(pieces) == 1 and pieces[0].loss_mask is None:
+            batch = pieces[0]
+            return self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids)
+        total = sum(self.forward(p.inputs, p.targets, p.cu_seqlens, windows, p.bigram_ids, positions=p.positions,
+                                 loss_mask=p.loss_mask) for p in pieces)
+        return total / tokens_per_rank(self.hp.val_batch_size, self.world_size, self.accum)
+
+    def snapshot(self):
+        """Everything a bit-exact continuation needs (collective when distributed)."""
+        self.matrix_opt.exact_weights()
+        return dict(
+            step=self.step, training_time_ms=self.clock.ms, tokens_seen=self.tokens_seen,
+            model={k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in self.model.state_dict().items()},
+            matrix=self.matrix_opt.state_dict(), adam=self.adam.state_dict(), loader=self.loader.state_dict(),
+            rng=rng_state(self.device),
+            script_sha256=script_sha256(self.hp), world_size=self.world_size, hyperparameters=dataclasses.asdict(self.hp))
+
+    def restore(self, snap):
+        self.model.load_state_dict(snap["model"])
+        self.matrix_opt.load_state_dict(snap["matrix"])
+        self.adam.load_state_dict(snap["adam"])
+        self.loader.load_state_dict(snap["loader"])
+        set_rng_state(snap["rng"], self.device)
+        self.step, self.clock.ms, self.tokens_seen = snap["step"], snap["training_time_ms"], snap["tokens_seen"]
+        self.matrix_opt.zero_grad()
+        self.adam.zero_grad()
+        if self.fp8_mlp is not None:  # the FP8 copies of the restored weights, at the restored scales
+            self.fp8_mlp.requantize(self.model.layers)
+
+    def resume(self, path, snap):
+        if self.rank == 0:
+            remove_stale_checkpoint_writes(Path(path).parent, self.log)
+        try:
+            self.restore(snap)
+        except (ValueError, RuntimeError) as e:  # a model or optimizer state of another shape (possible with --force)
+            raise ConfigError(f"{path}: {str(e).splitlines()[0]}; resume it with the script that wrote it") from None
+        moved = f" (written by {snap['world_size']} processes, continued on {self.world_size})" \
+            if snap["world_size"] != self.world_size else ""
+        self.log(f"resumed from {path} at step {self.step}{moved}")
+        if snap["hyperparameters"].get("micro_batch_tokens", 0) != self.hp.micro_batch_tokens:
+            self.log(f"--micro_batch_tokens changes from {snap['hyperparameters'].get('micro_batch_tokens', 0)} (the "
+                     f"checkpoint's run) to {self.hp.micro_batch_tokens}: the same data from here on, in other pieces")
+
+    def checkpoint(self, tag, required=False):
+        """Write a checkpoint (collective; rank 0 writes) and return its path (None elsewhere). A failed
+        periodic write only warns: training goes on and the earlier checkpoints stay; a failed required
+        write (final, preemption) fails on every rank."""
+        with failing_together(self.device, during=f"the checkpoint {tag}"):
+            snap = self.snapshot()
+            return write_checkpoint(self.checkpoint_folder / f"{tag}.pt", snap, required, self.log) \
+                if self.rank == 0 else None
+
+    def warm_up(self):
+        """Compile every batch-size/window variant and the validation pass, then undo it all."""
+        initial = self.snapshot()
+        for first in self.schedule.stage_first_steps():
+            for step in range(first, first + self.hp.warmup_steps):
+                self.train_step(self.begin_step(step))
+        last = self.schedule.at(self.total_steps)
+        self.validate(last.window_tensor)
+        self.validate(last.val_window_tensor)
+        self.restore(initial)
+        self.model.rotary.reset()
+        synchronize(self.device)
+
+    def log_step(self, step, val_loss=None):
+        ms = self.clock.ms if val_loss is not None else self.clock.running_ms()
+        self.log(step_line(step, self.total_steps, ms, val_loss))
+
+    def log_pieces(self, stage):
+        """The padding of the pieces a stage's micro-steps ran as, and the documents cut (longer than a piece)."""
+        if self.loader.piece_counts[1]:
+            self.log(pieces_line(stage, *map(int, self.loader.piece_counts), self.hp.micro_batch_tokens))
+        self.loader.piece_counts[:] = 0
+
+    def stop_with_checkpoint(self):
+        """End the run at a stop signal's request, at the step every rank decided on: checkpoint, raise."""
+        path = self.checkpoint(f"step_{self.step:06d}", required=True)
+        who = self.stop.received or "a signal to another process"
+        raise Preempted(f"preempted at step {self.step} by {who}, checkpoint {path}; continue with --resume auto "
+                        f"--run_id {self.run_id}")
+
+    def run(self):
+        hp = self.hp
+        if hp.warmup_steps:
+            self.warm_up()
+        if self.resume_from is not None:
+            self.resume(self.resume_path, self.resume_from)
+        self.stop.note_from_now_on()
+        loss_check = LateLossCheck(self.device)
+        val_losses, stopping = [], False
+        self.loader.piece_counts[:] = 0  # the warm-up's pieces are not the run's
+        self.clock.ms += self.prior_ms  # (a resumed run counted again)
+        self.clock.start()
+        for step in range(self.step, self.total_steps + 1):
+            last = step == self.total_steps
+            plan = self.begin_step(step)
+            if last or (hp.val_loss_every and step % hp.val_loss_every == 0):
+                with self.clock.paused():
+                    val_losses.append((step, self.validate(plan.val_window_tensor)))
+                    self.log_step(step, val_losses[-1][1])
+            if last:
+                break
+            self.profiler.at(step, self.rank)
+            stopping |= loss_check.push(step, *self.train_step(plan))
+            self.step = step + 1
+            self.log_step(self.step)
+            if self.step == self.total_steps or self.schedule.stage_index(self.step) != plan.stage:
+                self.log_pieces(plan.stage)
+            if stopping and checkpoint_complete_after(self.step):
+                loss_check.finish()
+                with self.clock.paused():
+                    self.stop_with_checkpoint()
+            if hp.save_every and self.step % hp.save_every == 0 and self.step < self.total_steps:
+                with self.clock.paused():
+                    self.checkpoint(f"step_{self.step:06d}")
+        loss_check.finish()
+        if hp.save_checkpoint:
+            self.checkpoint("final", required=True)
+        for line in self.stats.summary(self.model, hp, self.tokens_seen, self.clock.ms, self.world_size):
+            self.log(line)
+        self.loader.close()
+        return val_losses
+
+
+# ==============================================================================================
+# The fence: the recipe is above. Below: the run's bookkeeping (the CLI, checks, log, checkpoints,
+# resume, signals, main()), then the CPU fallbacks.
+# ==============================================================================================
+
+
+# ----------------------------------------------------------------------------------------------
+# The CLI, generated from Hyperparameters, and its checks; other tracks' files
+
+
+def parse_bool(text):
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def build_arg_parser(prog="train_gpt.py", hp_class=None):
+    """--preset and one flag per field of `hp_class` (Hyperparameters, or track 3's), grouped by sections."""
+    hp_class = hp_class or Hyperparameters
+    sections = {**HP_SECTIONS, **getattr(sys.modules[hp_class.__module__], "HP_SECTIONS", {})}
+    parser = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False,  # --num_layer must not silently mean --num_layers
+        description="Train the speedrun GPT. Every field of Hyperparameters is a flag; the --preset's "
+                    "values are applied first, then the flags. Track 3's optimizers add their flags "
+                    "with --matrix_optimizer NAME (see docs/track3.md).",
+    )
+    hint = "" if hp_class is not Hyperparameters else "; track 3's flags need --matrix_optimizer NAME"
+
+    def one_line_error(message):  # instead of the ~25-line usage that buries the message
+        more = hint if message.startswith("unrecognized arguments") else ""
+        parser.exit(2, f"{parser.prog}: error: {message}{more} (see --help)\n")
+    parser.error = one_line_error
+    # argparse reads only plain decimals like -1.5 as negative numbers; -1e-3 and -1:2 would count
+    # as flags ("expected one argument") instead of reaching the range checks with their messages
+    parser._negative_number_matcher = re.compile(r"^-\.?\d")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="record",
+                        help="named configuration (default: record)")
+    parser.set_defaults(hp_class=hp_class)
+    group = parser
+    for f in fields(hp_class):
+        if f.name in sections:
+            group = parser.add_argument_group(sections[f.name])
+        group.add_argument(f"--{f.name}", **flag_options(f))
+    return parser
+
+
+def flag_options(f):
+    """argparse's options for the flag of the Hyperparameters field f."""
+    default = f.default
+    options = dict(default=None, help=f"{f.metadata['help']} (default: {default})")
+    if isinstance(default, bool):
+        options.update(type=parse_bool, metavar="BOOL", nargs="?", const=True)  # a bare --force: true
+    elif f.metadata.get("layers"):
+        options.update(type=int, nargs="*", metavar="LAYER")  # no value: none
+    elif isinstance(default, tuple):
+        kind = type(default[0])
+        options.update(type=kind, nargs=len(default), metavar=kind.__name__.upper())
+    else:
+        options.update(type=type(default), metavar=type(default).__name__.upper())
+    return options
+
+
+def hyperparameter_class(argv):
+    """Hyperparameters, or track 3's (with its optimizers' flags) when argv's --matrix_optimizer (or
+    its --preset's) is not normuon."""
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe.add_argument("--matrix_optimizer", nargs="?")
+    probe.add_argument("--preset", nargs="?")
+    known = probe.parse_known_args(argv)[0]
+    name = known.matrix_optimizer or PRESETS.get(known.preset, {}).get("matrix_optimizer", "normuon")
+    return Hyperparameters if name == "normuon" else load_companion("track3.py").Hyperparameters
+
+
+def parser_for(argv, prog="train_gpt.py"):
+    """The parser of argv's flags (build_arg_parser with hyperparameter_class(argv))."""
+    return build_arg_parser(prog, hyperparameter_class(argv))
+
+
+def hyperparameters_from(args):
+    """The preset's values, then the flags given in `args` (an argparse namespace). Validated."""
+    hp_class = args.hp_class
+    values = dataclasses.asdict(hp_class())
+    values.update(PRESETS[args.preset])
+    for f in fields(hp_class):
+        value = getattr(args, f.name)
+        if value is not None:
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+    hp = hp_class(**values)
+    check_hyperparameters(hp)
+    return hp
+
+
+def parse_args(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    return hyperparameters_from(parser_for(argv).parse_args(argv))
+
+
+# Other tracks' code lives in files of its own beside this script, loaded only when a flag asks for
+# it: track3.py (--matrix_optimizer other than normuon) and ngram_prior.py (--ngram_prior above 0).
+# The log carries each file a run loads after the script (run_source).
+def companion_files(hp):
+    return ["track3.py"] * (hp.matrix_optimizer != "normuon") + ["ngram_prior.py"] * (hp.ngram_prior > 0)
+
+
+def load_companion(name):
+    """The module of the file `name` beside this script, imported once (it imports train_gpt: this
+    module, also when this module runs as __main__ or under another name)."""
+    path = Path(__file__).with_name(name)
+    module = sys.modules.get(path.stem)
+    if module is None:
+        sys.modules.setdefault("train_gpt", sys.modules[__name__])
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        try:
+            spec.loader.exec_module(module)
+        except FileNotFoundError:
+            del sys.modules[path.stem]
+            raise ConfigError(f"{path} is missing: this run needs it beside {Path(__file__).name} "
+                              f"(records.py replay writes every file of a log)") from None
+    return module
+
+# (flags, test, what the test means): applied to every value of a tuple flag
+VALUE_RULES = [
+    (("val_tokens", "val_batch_size", "vocab_size", "num_layers", "num_heads", "head_dim", "model_dim",
+      "num_scheduled_iterations", "batch_sizes", "max_seq_len", "grad_accum_base", "window_block_tokens",
+      "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "bigram_dim", "softcap_scale",
+      "head_fp8_amax"), lambda v: v > 0, "must be positive"),
+    (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads",
+      "micro_batch_tokens", "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd",
+      "adam_wd", "lr_multipliers", "final_lr_multiplier", "bigram_vocab_size", "bigram_sign_rows",
+      "value_embed_std", "mudd_dim", "first_stage_max_seq_len", "mtp_weights_start", "mtp_weights_end",
+      "value_embed_tables", "ngram_prior"), lambda v: v >= 0, "must be >= 0"),
+    (("untie_stage",), lambda v: -1 <= v <= 3, "must be a stage (0-2, 3: the extension) or -1 (never)"),
+    (("window_blocks", "extension_window_blocks"), lambda v: v >= 2,
+     "must be at least 2 (short window = long // 2 blocks)"),
+    (("muon_momentum", "muon_beta2", "adam_betas"), lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    (("cooldown_frac",), lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    (("ngram_prior_order",), lambda v: 2 <= v <= MAX_NGRAM_ORDER, f"must be in 2 ... {MAX_NGRAM_ORDER}"),
+    (("seed",), lambda v: 0 <= v < 2 ** 63, "must be in [0, 2^63)"),
+]
+
+
+def value_rules(hp):
+    """VALUE_RULES, and track 3's for its optimizers' fields."""
+    if hp.matrix_optimizer == "normuon":
+        return VALUE_RULES
+    track3 = load_companion("track3.py")
+    if hp.matrix_optimizer not in track3.OPTIMIZERS or not isinstance(hp, track3.Hyperparameters):
+        raise ConfigError(f"--matrix_optimizer must be normuon or one of track3.py's "
+                          f"{', '.join(track3.OPTIMIZERS)}, got {hp.matrix_optimizer!r}")
+    track3.check_hyperparameters(hp)
+    return VALUE_RULES + track3.VALUE_RULES
+
+
+def check_hyperparameters(hp):
+    """Reject impossible values and combinations before any work, naming the flag."""
+    for f in fields(hp):
+        value = getattr(hp, f.name)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, tuple) else [value])):
+            raise ConfigError(f"--{f.name} must be finite, got {value}")
+    for names, ok, meaning in value_rules(hp):
+        for name in names:
+            value = getattr(hp, name)
+            if not all(ok(v) for v in (value if isinstance(value, tuple) else [value])):
+                raise ConfigError(f"--{name} {meaning}, got {_flag_text(value)}")
+    for name, count, meaning in (("batch_sizes", 3, "one per third of the run"), ("lr_multipliers", 3, "one per third"),
+                                 ("window_blocks", 3, "one per third"), ("head_fp8_amax", 3, "activations, weights, "
+                                 "gradients"), ("mtp_weights_start", 3 * MTP_HORIZON, "3 tokens x 3 stages"),
+                                 ("mtp_weights_end", 3 * MTP_HORIZON, "3 tokens x 3 stages")):
+        if len(getattr(hp, name)) != count:
+            raise ConfigError(f"--{name} needs exactly {count} values ({meaning}), got {_flag_text(getattr(hp, name))}")
+    if hp.val_tokens % hp.val_batch_size:
+        raise ConfigError(f"--val_tokens {hp.val_tokens} must be a multiple of --val_batch_size {hp.val_batch_size}")
+    if hp.vocab_size <= BOS_ID:
+        raise ConfigError(f"--vocab_size {hp.vocab_size} must exceed {BOS_ID}, the shards' document-start token (GPT-2 ids)")
+    prior_bound = PRIOR_EXP_FLOOR / math.log(hp.vocab_size)
+    if hp.ngram_prior > prior_bound:
+        raise ConfigError(f"--ngram_prior {hp.ngram_prior:g} is above {prior_bound:.4g}: the CPU loss sums exp of the "
+                          f"logits in fp32, and under the prior a token's likeliest successor may have P = 1/"
+                          f"{hp.vocab_size}, so the weight x ln({hp.vocab_size}) must stay below {PRIOR_EXP_FLOOR:g} "
+                          f"(else exp underflows to 0 and the loss is -inf); use a weight up to {prior_bound:.4g}")
+    if hp.num_heads * hp.head_dim != hp.model_dim:
+        raise ConfigError(f"--num_heads x --head_dim must equal --model_dim (the merged QKVO weight applies O as a "
+                          f"{hp.model_dim} x {hp.model_dim} map); got {hp.num_heads} x {hp.head_dim} vs {hp.model_dim}")
+    if hp.model_dim < GATE_INPUTS:
+        raise ConfigError(f"--model_dim {hp.model_dim} is below {GATE_INPUTS}: the smear and attention gates read the "
+                          f"first {GATE_INPUTS} channels")
+    if hp.head_dim % 4:
+        raise ConfigError(f"--head_dim must be a multiple of 4 (half-truncated RoPE splits it in quarters), got {hp.head_dim}")
+    longest_window = max(*hp.window_blocks, hp.extension_window_blocks) * hp.window_block_tokens
+    if longest_window > hp.max_seq_len:
+        raise ConfigError(f"the longest training window ({longest_window} tokens = --window_blocks/--extension_window_blocks "
+                          f"x --window_block_tokens) exceeds --max_seq_len {hp.max_seq_len}; shrink the window")
+    if hp.first_stage_max_seq_len and hp.window_blocks[0] * hp.window_block_tokens > hp.first_stage_max_seq_len:
+        raise ConfigError(f"the first third's window ({hp.window_blocks[0] * hp.window_block_tokens} tokens) exceeds "
+                          f"--first_stage_max_seq_len {hp.first_stage_max_seq_len}; shrink the window")
+    if hp.bigram_vocab_size == 1 or (hp.bigram_vocab_size and hp.bigram_dim > hp.model_dim):
+        raise ConfigError(f"--bigram_vocab_size must be 0 (off) or at least 2 and --bigram_dim at most --model_dim, got "
+                          f"{hp.bigram_vocab_size} and {hp.bigram_dim}")
+    if 0 < hp.micro_batch_tokens < MIN_MICRO_BATCH_TOKENS:
+        raise ConfigError(f"--micro_batch_tokens {hp.micro_batch_tokens} is below {MIN_MICRO_BATCH_TOKENS}, the smallest "
+                          f"cap: every piece also runs up to --max_seq_len tokens of context, so smaller pieces cost a "
+                          f"forward of mostly context each; pass 0 (no cap) or at least {MIN_MICRO_BATCH_TOKENS}")
+    if hp.save_every % 2:
+        raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
+    if hp.device not in ("auto", "cuda", "cpu"):
+        raise ConfigError(f"--device must be one of auto, cuda, cpu, got {hp.device!r}")
+    if hp.fp8 not in ("auto", "on", "off"):
+        raise ConfigError(f"--fp8 must be auto, on or off, got {hp.fp8!r}")
+    if hp.profile and not _parse_profile_range(hp.profile):
+        raise ConfigError(f"--profile must look like START:END with 0 <= START < END, got {hp.profile!r}")
+    if hp.resume == "auto" and not hp.run_id:
+        raise ConfigError("--resume auto needs --run_id (it finds the run's checkpoints and log by it); pass the same "
+                          "--run_id to every start of the run")
+    if hp.run_id and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", hp.run_id):
+        raise ConfigError(f"--run_id may hold letters, digits, '.', '_' and '-', not first (it names a file), got {hp.run_id!r}")
+    layer_roles_of(hp)  # raises ConfigError for depths and layer lists without a valid layout
+
+
+def _flag_text(value):
+    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def _parse_profile_range(text):
+    try:
+        start, end = (int(v) for v in text.split(":"))
+    except ValueError:
+        return None
+    return (start, end) if 0 <= start < end else None
+
+# ----------------------------------------------------------------------------------------------
+# Shards written and fingerprinted; data checks before the first step
+
+
+def shard_fingerprint(path):
+    """(size in bytes, sha256 of the header and of 64 blocks of 4 KiB spread evenly over the tokens): what a
+    checkpoint records of each training shard, so that another shard under the same name is noticed on resume and
+    by tools/sample.py. A shard up to 257 KiB is hashed whole; in a larger one an edit between the blocks goes
+    unseen (a cheap check: 65 reads whatever the size)."""
+    header_bytes = SHARD_HEADER_INTS * 4
+    digest = hashlib.sha256()
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            digest.update(f.read(header_bytes))
+            span = max(size - header_bytes - SHARD_SAMPLE_BYTES, 0)
+            for i in range(SHARD_SAMPLES):
+                f.seek(header_bytes + span * i // (SHARD_SAMPLES - 1))
+                digest.update(f.read(SHARD_SAMPLE_BYTES))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read shard ({e.strerror or e})") from None
+    return size, digest.hexdigest()
+
+
+def write_shard(path, tokens):
+    """Write GPT-2 token ids as a .bin shard atomically: a unique temp file in the same folder,
+    removed on failure, renamed into place on success."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
+        raise DataError(f"{path}: refusing to write a {tokens.ndim}-D array of {tokens.dtype}: tokens must be a 1-D "
+                        f"array of integer ids")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= GPT2_VOCAB_SIZE):
+        bad = tokens.min() if tokens.min() < 0 else tokens.max()
+        raise DataError(f"{path}: refusing to write token id {bad}: ids must be in [0, {GPT2_VOCAB_SIZE})")
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    write_atomically(Path(path), header.tobytes() + tokens.astype("<u2").tobytes())
+
+
+def write_atomically(path, data):
+    """Write bytes via a unique temp file next to `path`, fsync, rename: readers see the old file or
+    the new one, never a part; the temp file is removed if anything fails. The temp name records the
+    host and process, so remove_stale_temp_files can tell a killed write from a running one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}~{platform.node()}~{os.getpid()}~{uuid.uuid4().hex[:8]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # usual permissions, unlike mkstemp's 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def remove_stale_temp_files(folder):
+    """Delete the temp files of writes that were killed (this host's, whose process is gone)."""
+    removed = []
+    for tmp in Path(folder).glob(".*~*~*~*.tmp"):
+        _, host, pid, _ = tmp.name.rsplit("~", 3)
+        if host != platform.node() or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+                removed.append(tmp)
+        except OSError:
+            pass  # alive, another user's
+    return removed
+
+
+def log_arguments(log, argv, hp, continuing):
+    """The run's arguments, and for a new run its hyperparameters, in the log file (not on the console)."""
+    log(f"{'continued by --resume auto with args' if continuing else 'args'}: {json.dumps(list(argv))}", console=False)
+    if not continuing:
+        log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
+
+
+def pieces_line(stage, tokens, positions, cut, cap):
+    return (f"stage {stage} pieces: {tokens:,} tokens in {positions:,} positions ({1 - tokens / positions:.1%} padding "
+            f"and context); documents longer than --micro_batch_tokens {cap}, cut: {cut}")
+
+
+def describe_pieces(pieces):
+    return ", ".join(f"{tokens:,} uncut" if length == tokens else f"{tokens:,} in pieces of {length:,} positions"
+                     for tokens, length in pieces)
+
+
+def check_batch_splits(hp, world_size, accum):
+    """Every training and the validation batch splits evenly over ranks and micro-steps (else one line)."""
+    for b in hp.batch_sizes:
+        tokens_per_rank(b, world_size, accum)
+    tokens_per_rank(hp.val_batch_size, world_size, accum, what="--val_batch_size")
+
+
+DATA_WALK_MAX_TOKENS = 1 << 26  # shards walked through before the first step when they hold no more (~0.2 s of reading)
+
+
+def check_shards_last(hp, files, shard_tokens, world_size, accum):
+    """Refuse, before the first step, training shards that run out before the last one: shards that hold fewer
+    tokens than the run takes (each micro-step its tokens and one more target per rank), or, where they are few
+    enough to read at once, the loader's own walk over their documents (step_shards_run_out)."""
+    total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
+    fix = "add training shards, shorten the run (--num_scheduled_iterations) or pass --cycle_data true"
+    needed = sum((stage.end_step - stage.first_step) * (stage.batch_tokens + world_size * accum)
+                 for stage in Schedule(hp).stages)
+    if sum(shard_tokens) < needed:
+        raise DataError(f"the {len(files)} training shard(s) hold {sum(shard_tokens):,} tokens, but the run's "
+                        f"{total_steps} steps take at least {needed:,}; {fix}")
+    step = step_shards_run_out(hp, files, world_size, accum) if sum(shard_tokens) <= DATA_WALK_MAX_TOKENS else None
+    if step is not None:
+        raise DataError(f"the {len(files)} training shard(s) ({sum(shard_tokens):,} tokens) run out at step {step} of "
+                        f"{total_steps}: a micro-step takes whole documents of at most --max_seq_len tokens from one "
+                        f"shard and skips the rest of each; {fix}")
+
+
+def step_shards_run_out(hp, files, world_size, accum):
+    """The first step whose micro-steps the shards cannot fill, walking their documents as TrainLoader.next_pieces
+    does (plan_pieces, from one shard to the next; nothing gathered), or None if they last the run."""
+    shard, cursor, bos, size = -1, 0, np.zeros(0, dtype=np.int64), 0
+    for stage in Schedule(hp).stages:
+        rank_tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
+        # the documents a micro-step can need (each gives a token at least): plan_pieces sees only those, so that a
+        # call costs the micro-step's documents, not the rest of the shard's
+        window = world_size * (rank_tokens + 1) + 1
+        for step in range(stage.first_step, stage.end_step):
+            for _ in range(accum):
+                while True:
+                    end = int(bos[cursor + window]) if cursor + window < bos.size else size
+                    plan = plan_pieces(bos[: cursor + window], end, cursor, world_size, rank_tokens + 1,
+                                       stage.max_seq_len) if bos.size else None
+                    if plan is not None:
+                        break
+                    shard, cursor = shard + 1, 0
+                    if shard == len(files):
+                        return step
+                    tokens = read_shard(files[shard])
+                    bos, size = np.flatnonzero(tokens == BOS_ID), tokens.size
+                cursor = plan[1]
+    return None
+
+# ----------------------------------------------------------------------------------------------
+# Run bookkeeping: the log and run lock, checkpoints and resume checks, ranks, stop signals,
+# profiler
+
 
 SEPARATOR = "=" * 100
 CHECKPOINT_MAGIC = b"SPEEDRUN-CKPT-1\n"
@@ -3917,404 +4165,6 @@ def remove_stale_checkpoint_writes(folder, log):
     if stale:
         log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in {folder}")
 
-
-# ----------------------------------------------------------------------------------------------
-# Training loop: micro-step pieces, the data and model of a run, Trainer (warm-up, timed steps, validation)
-
-def micro_step_pieces(hp, world_size, accum):
-    """[(tokens of a micro-step per rank, the positions of each forward it runs as)] of the run's stages, each
-    pair once (one compiled length each)."""
-    pairs = []
-    for stage in Schedule(hp).stages[:3]:
-        tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
-        pair = (tokens, padded_piece_length(tokens, piece_cap(hp), stage.max_seq_len))
-        if pair not in pairs:
-            pairs.append(pair)
-    return pairs
-
-
-def finite_validation_loss(value):
-    if not math.isfinite(value):
-        raise FloatingPointError(f"validation loss is {value}; lower the learning rates (--muon_lr/--adam_lr) or "
-                                 f"check the data, then rerun")
-    return value
-
-
-def step_line(step, total_steps, ms, val_loss=None):
-    val = f" val_loss:{val_loss:.4f}" if val_loss is not None else ""
-    return f"step:{step}/{total_steps}{val} train_time:{ms:.0f}ms step_avg:{ms / max(step, 1):.2f}ms"
-
-
-def log_arguments(log, argv, hp, continuing):
-    """The run's arguments, and for a new run its hyperparameters, in the log file (not on the console)."""
-    log(f"{'continued by --resume auto with args' if continuing else 'args'}: {json.dumps(list(argv))}", console=False)
-    if not continuing:
-        log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
-
-
-def pieces_line(stage, tokens, positions, cut, cap):
-    return (f"stage {stage} pieces: {tokens:,} tokens in {positions:,} positions ({1 - tokens / positions:.1%} padding "
-            f"and context); documents longer than --micro_batch_tokens {cap}, cut: {cut}")
-
-
-def describe_pieces(pieces):
-    return ", ".join(f"{tokens:,} uncut" if length == tokens else f"{tokens:,} in pieces of {length:,} positions"
-                     for tokens, length in pieces)
-
-
-def check_batch_splits(hp, world_size, accum):
-    """Every training and the validation batch splits evenly over ranks and micro-steps (else one line)."""
-    for b in hp.batch_sizes:
-        tokens_per_rank(b, world_size, accum)
-    tokens_per_rank(hp.val_batch_size, world_size, accum, what="--val_batch_size")
-
-
-def open_data(hp, rank, world_size, device, accum, log):
-    """(training loader, validation tokens, validation files), every shard checked before any work."""
-    if hp.micro_batch_tokens:
-        log(f"micro_batch_tokens {hp.micro_batch_tokens}: micro-steps of "
-            f"{describe_pieces(micro_step_pieces(hp, world_size, accum))} (documents in order, at most "
-            f"{hp.micro_batch_tokens} tokens a piece, with the previous document and 2 targets of context, padded)")
-    train_pattern, val_pattern, data_description = resolve_data(hp, rank)
-    log(f"data: {data_description}")
-    val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
-    loader = TrainLoader(train_pattern, rank, world_size, device, hp.cycle_data, vocab_size=hp.vocab_size,
-                         bigram_rows=hp.bigram_vocab_size)
-    per_micro_step = max(hp.batch_sizes) // accum + world_size  # one micro-step comes from one shard
-    if per_micro_step > max(loader.shard_tokens):
-        raise DataError(f"--batch_sizes {max(hp.batch_sizes)} takes {per_micro_step} tokens per micro-step from one "
-                        f"shard, but the largest training shard holds {max(loader.shard_tokens)}; use smaller batches "
-                        f"or larger shards")
-    if not hp.cycle_data:
-        check_shards_last(hp, loader.files, loader.shard_tokens, world_size, accum)
-    return loader, val_tokens, sorted(glob.glob(val_pattern))
-
-
-DATA_WALK_MAX_TOKENS = 1 << 26  # shards walked through before the first step when they hold no more (~0.2 s of reading)
-
-
-def check_shards_last(hp, files, shard_tokens, world_size, accum):
-    """Refuse, before the first step, training shards that run out before the last one: shards that hold fewer
-    tokens than the run takes (each micro-step its tokens and one more target per rank), or, where they are few
-    enough to read at once, the loader's own walk over their documents (step_shards_run_out)."""
-    total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
-    fix = "add training shards, shorten the run (--num_scheduled_iterations) or pass --cycle_data true"
-    needed = sum((stage.end_step - stage.first_step) * (stage.batch_tokens + world_size * accum)
-                 for stage in Schedule(hp).stages)
-    if sum(shard_tokens) < needed:
-        raise DataError(f"the {len(files)} training shard(s) hold {sum(shard_tokens):,} tokens, but the run's "
-                        f"{total_steps} steps take at least {needed:,}; {fix}")
-    step = step_shards_run_out(hp, files, world_size, accum) if sum(shard_tokens) <= DATA_WALK_MAX_TOKENS else None
-    if step is not None:
-        raise DataError(f"the {len(files)} training shard(s) ({sum(shard_tokens):,} tokens) run out at step {step} of "
-                        f"{total_steps}: a micro-step takes whole documents of at most --max_seq_len tokens from one "
-                        f"shard and skips the rest of each; {fix}")
-
-
-def step_shards_run_out(hp, files, world_size, accum):
-    """The first step whose micro-steps the shards cannot fill, walking their documents as TrainLoader.next_pieces
-    does (plan_pieces, from one shard to the next; nothing gathered), or None if they last the run."""
-    shard, cursor, bos, size = -1, 0, np.zeros(0, dtype=np.int64), 0
-    for stage in Schedule(hp).stages:
-        rank_tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
-        # the documents a micro-step can need (each gives a token at least): plan_pieces sees only those, so that a
-        # call costs the micro-step's documents, not the rest of the shard's
-        window = world_size * (rank_tokens + 1) + 1
-        for step in range(stage.first_step, stage.end_step):
-            for _ in range(accum):
-                while True:
-                    end = int(bos[cursor + window]) if cursor + window < bos.size else size
-                    plan = plan_pieces(bos[: cursor + window], end, cursor, world_size, rank_tokens + 1,
-                                       stage.max_seq_len) if bos.size else None
-                    if plan is not None:
-                        break
-                    shard, cursor = shard + 1, 0
-                    if shard == len(files):
-                        return step
-                    tokens = read_shard(files[shard])
-                    bos, size = np.flatnonzero(tokens == BOS_ID), tokens.size
-                cursor = plan[1]
-    return None
-
-
-def start_model(hp, backend, device, world_size):
-    """(model, its forward: compiled on CUDA) from --seed, the same on every rank (rank 0's weights and
-    buffers, such as the bigram signs, are broadcast)."""
-    torch.manual_seed(hp.seed)
-    model = GPT(hp, backend, device)
-    if world_size > 1:  # what a checkpoint holds; the FP8 MLP copies (gloo has no float8) are made again
-        for t in model.state_dict().values():
-            if isinstance(t, Tensor):
-                dist.broadcast(t, 0)
-        if model.mlp_in_fp8:
-            model.fp8_mlp.requantize(model.layers)
-    if device.type == "cuda" and hp.compile:
-        torch._dynamo.config.cache_size_limit = 64
-        return model, torch.compile(model, dynamic=False, fullgraph=True)
-    return model, model
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-class TrainClock:
-    """Training time in ms; it runs only during training steps (synchronized before each reading)."""
-
-    def __init__(self, device):
-        self.device, self.ms, self.started = device, 0.0, None
-
-    def start(self):
-        synchronize(self.device)
-        self.started = time.perf_counter()
-
-    def running_ms(self):
-        """The time so far without a synchronization (the step lines' approximate figure)."""
-        return self.ms + 1000 * (time.perf_counter() - self.started)
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Validation and checkpoints do not count as training time."""
-        synchronize(self.device)
-        self.ms = self.running_ms()
-        yield
-        self.start()
-
-
-class Trainer:
-    """Holds the run's moving parts: setup in __init__, warm_up(), then run(), the timed loop."""
-
-    def __init__(self, hp, argv=(), stop=None, lifetime=None):
-        """`lifetime` (an ExitStack: main's) holds the run lock until the process is done with the run."""
-        self.hp, self.stop = hp, stop or StopSignals()  # (one not entered never hears a signal)
-        self.rank, self.world_size, self.device = setup_distributed(hp)
-        self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
-        self.run_id = hp.run_id or str(uuid.uuid4())
-        self.checkpoint_folder = Path(hp.log_dir) / "checkpoints" / self.run_id
-        self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0, hp)
-        with failing_together(self.device):  # everything that can be wrong with the input, before any work
-            self.accum = grad_accum_steps(hp, self.world_size)
-            check_batch_splits(hp, self.world_size, self.accum)
-            if self.rank == 0 and hp.run_id and lifetime is not None:  # (a fresh uuid needs no lock)
-                lifetime.enter_context(RunLock(self.log.path.parent / f"{self.run_id}.lock", hp.log_dir))
-            continuing = self.rank == 0 and check_outputs(hp, self.log.path, self.checkpoint_folder, self.total_steps)
-            log_arguments(self.log, argv, hp, continuing)
-            self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
-            self.loader, self.val_tokens, val_files = open_data(hp, self.rank, self.world_size, self.device, self.accum,
-                                                                self.log)
-            self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder, self.log, continuing)
-            if self.resume_from is not None:
-                check_resumable(self.resume_path, self.resume_from, hp, self.total_steps)
-                check_same_shards(self.resume_path, self.resume_from["loader"], self.loader, hp.force, self.log)
-            # --ngram_prior's counts, on the clock (prior_ms joins the training time), and the device's paths
-            # (FP8 or not, the prior in the CPU loss), decided once
-            self.prior, self.prior_ms = self.count_prior() if hp.ngram_prior else (None, 0.0)
-            self.backend = backend_for(hp, self.device, self.accum, prior=self.prior)
-        check_ranks_agree(rank_settings(hp, self.device, self.loader.files, val_files,
-                                        self.resume_from["step"] if self.resume_from else 0))
-        for warning in restart_warnings(hp):
-            self.log(f"warning: {warning}")
-        self.model, self.forward = start_model(hp, self.backend, self.device, self.world_size)
-        self.fp8_mlp = self.model.fp8_mlp if self.model.mlp_in_fp8 else None
-        self.matrix_opt, self.adam = make_optimizers(self.model, hp, self.backend)
-        self.schedule = Schedule(hp, self.device)
-        self.val_context = receptive_field(self.model.plan, self.schedule.window_pairs(), hp.window_block_tokens)
-        val_chunk = tokens_per_rank(hp.val_batch_size, self.world_size, self.accum)
-        if val_chunk > piece_cap(hp):
-            self.log(f"validation: forwards of {val_chunk:,} tokens in pieces of "
-                     f"{validation_piece_length(val_chunk, hp.micro_batch_tokens, self.val_context):,} positions (at most "
-                     f"{hp.micro_batch_tokens} tokens, after {self.val_context:,} of context: the receptive field)")
-        self.stats, self.clock = RunStats(self.device), TrainClock(self.device)
-        self.profiler = StepProfiler(hp, self.run_id, self.total_steps, self.log)
-        self.step, self.tokens_seen = 0, 0
-        with failing_together(self.device):
-            self.log.open(continuing)
-
-    def count_prior(self):
-        """(--ngram_prior's NgramPrior from the training shards, the ms it took)."""
-        began = time.perf_counter()
-        prior = load_companion("ngram_prior.py").count_ngram_prior(self.hp, self.loader.files, self.log)
-        return prior, 1000 * (time.perf_counter() - began)
-
-    def begin_step(self, step):
-        """The StepPlan of `step`, with its lr, momentum and YaRN state set."""
-        plan = self.schedule.at(step)
-        start_step(plan, self.model, self.matrix_opt, self.adam)
-        return plan
-
-    def train_step(self, plan):
-        """One optimizer step as `plan` (begin_step) says: `accum` micro-batches forward and backward (each in
-        pieces of at most --micro_batch_tokens), the optimizers. Returns ([the step's loss, the ranks that got a
-        stop signal] as a device tensor, the async all-reduce that sums it over the ranks, or None alone); no
-        host-device synchronization happens inside."""
-        rank_tokens = tokens_per_rank(plan.batch_tokens, self.world_size, self.accum)
-        self.model.train()
-        totals = torch.zeros(2, device=self.device)
-        total, stop_votes = totals.unbind()
-        for _ in range(self.accum):
-            # the training loss is a sum over tokens, so the pieces' losses add up to the micro-step's
-            for batch in self.loader.next_pieces(rank_tokens, plan.max_seq_len, piece_cap(self.hp)):
-                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, plan.window_tensor,
-                                    batch.bigram_ids, plan.mtp_weights, batch.positions, batch.loss_mask) / self.accum
-                loss.backward()
-                total += loss.detach()
-        if self.stop.received:
-            stop_votes += 1
-        step_optimizers(plan, self.matrix_opt, self.adam)
-        if self.fp8_mlp is not None:
-            self.fp8_mlp.quantize(self.model.layers, bootstrap=plan.step < FP8MLPWeights.BOOTSTRAP_STEPS)
-        self.tokens_seen += rank_tokens * self.accum * self.world_size
-        # one all-reduce, after the optimizers' collectives (it would hold them up before): a non-finite
-        # loss or a stop signal on any rank stops every rank at the same step
-        return totals, dist.all_reduce(totals, async_op=True) if self.world_size > 1 else None
-
-    @torch.no_grad()
-    def validate(self, windows):
-        """Mean loss over the validation tokens, all ranks together, with the given windows (a StepPlan's tensor)."""
-        hp = self.hp
-        self.model.eval()
-        with self.stats.eval_memory():
-            if hp.micro_batch_tokens:
-                losses = [self.validation_loss(pieces, windows) for pieces in validation_pieces(
-                    self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size, self.accum,
-                    self.device, hp.micro_batch_tokens, self.val_context, hp.bigram_vocab_size)]
-            else:
-                losses = [self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids)
-                          for batch in validation_batches(self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank,
-                                                          self.world_size, self.accum, self.device, hp.bigram_vocab_size)]
-            loss = torch.stack(losses).mean()
-        if self.world_size > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        return finite_validation_loss(loss.item())
-
-    def validation_loss(self, pieces, windows):
-        """Mean loss of one validation forward run as `pieces` (validation_pieces): their summed losses over its
-        tokens, or the uncut forward's own mean."""
-        if len(pieces) == 1 and pieces[0].loss_mask is None:
-            batch = pieces[0]
-            return self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids)
-        total = sum(self.forward(p.inputs, p.targets, p.cu_seqlens, windows, p.bigram_ids, positions=p.positions,
-                                 loss_mask=p.loss_mask) for p in pieces)
-        return total / tokens_per_rank(self.hp.val_batch_size, self.world_size, self.accum)
-
-    def snapshot(self):
-        """Everything a bit-exact continuation needs (collective when distributed)."""
-        self.matrix_opt.exact_weights()
-        return dict(
-            step=self.step, training_time_ms=self.clock.ms, tokens_seen=self.tokens_seen,
-            model={k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in self.model.state_dict().items()},
-            matrix=self.matrix_opt.state_dict(), adam=self.adam.state_dict(), loader=self.loader.state_dict(),
-            rng=rng_state(self.device),
-            script_sha256=script_sha256(self.hp), world_size=self.world_size, hyperparameters=dataclasses.asdict(self.hp))
-
-    def restore(self, snap):
-        self.model.load_state_dict(snap["model"])
-        self.matrix_opt.load_state_dict(snap["matrix"])
-        self.adam.load_state_dict(snap["adam"])
-        self.loader.load_state_dict(snap["loader"])
-        set_rng_state(snap["rng"], self.device)
-        self.step, self.clock.ms, self.tokens_seen = snap["step"], snap["training_time_ms"], snap["tokens_seen"]
-        self.matrix_opt.zero_grad()
-        self.adam.zero_grad()
-        if self.fp8_mlp is not None:  # the FP8 copies of the restored weights, at the restored scales
-            self.fp8_mlp.requantize(self.model.layers)
-
-    def resume(self, path, snap):
-        if self.rank == 0:
-            remove_stale_checkpoint_writes(Path(path).parent, self.log)
-        try:
-            self.restore(snap)
-        except (ValueError, RuntimeError) as e:  # a model or optimizer state of another shape (possible with --force)
-            raise ConfigError(f"{path}: {str(e).splitlines()[0]}; resume it with the script that wrote it") from None
-        moved = f" (written by {snap['world_size']} processes, continued on {self.world_size})" \
-            if snap["world_size"] != self.world_size else ""
-        self.log(f"resumed from {path} at step {self.step}{moved}")
-        if snap["hyperparameters"].get("micro_batch_tokens", 0) != self.hp.micro_batch_tokens:
-            self.log(f"--micro_batch_tokens changes from {snap['hyperparameters'].get('micro_batch_tokens', 0)} (the "
-                     f"checkpoint's run) to {self.hp.micro_batch_tokens}: the same data from here on, in other pieces")
-
-    def checkpoint(self, tag, required=False):
-        """Write a checkpoint (collective; rank 0 writes) and return its path (None elsewhere). A failed
-        periodic write only warns: training goes on and the earlier checkpoints stay; a failed required
-        write (final, preemption) fails on every rank."""
-        with failing_together(self.device, during=f"the checkpoint {tag}"):
-            snap = self.snapshot()
-            return write_checkpoint(self.checkpoint_folder / f"{tag}.pt", snap, required, self.log) \
-                if self.rank == 0 else None
-
-    def warm_up(self):
-        """Compile every batch-size/window variant and the validation pass, then undo it all."""
-        initial = self.snapshot()
-        for first in self.schedule.stage_first_steps():
-            for step in range(first, first + self.hp.warmup_steps):
-                self.train_step(self.begin_step(step))
-        last = self.schedule.at(self.total_steps)
-        self.validate(last.window_tensor)
-        self.validate(last.val_window_tensor)
-        self.restore(initial)
-        self.model.rotary.reset()
-        synchronize(self.device)
-
-    def log_step(self, step, val_loss=None):
-        ms = self.clock.ms if val_loss is not None else self.clock.running_ms()
-        self.log(step_line(step, self.total_steps, ms, val_loss))
-
-    def log_pieces(self, stage):
-        """The padding of the pieces a stage's micro-steps ran as, and the documents cut (longer than a piece)."""
-        if self.loader.piece_counts[1]:
-            self.log(pieces_line(stage, *map(int, self.loader.piece_counts), self.hp.micro_batch_tokens))
-        self.loader.piece_counts[:] = 0
-
-    def stop_with_checkpoint(self):
-        """End the run at a stop signal's request, at the step every rank decided on: checkpoint, raise."""
-        path = self.checkpoint(f"step_{self.step:06d}", required=True)
-        who = self.stop.received or "a signal to another process"
-        raise Preempted(f"preempted at step {self.step} by {who}, checkpoint {path}; continue with --resume auto "
-                        f"--run_id {self.run_id}")
-
-    def run(self):
-        hp = self.hp
-        if hp.warmup_steps:
-            self.warm_up()
-        if self.resume_from is not None:
-            self.resume(self.resume_path, self.resume_from)
-        self.stop.note_from_now_on()
-        loss_check = LateLossCheck(self.device)
-        val_losses, stopping = [], False
-        self.loader.piece_counts[:] = 0  # the warm-up's pieces are not the run's
-        self.clock.ms += self.prior_ms  # (a resumed run counted again)
-        self.clock.start()
-        for step in range(self.step, self.total_steps + 1):
-            last = step == self.total_steps
-            plan = self.begin_step(step)
-            if last or (hp.val_loss_every and step % hp.val_loss_every == 0):
-                with self.clock.paused():
-                    val_losses.append((step, self.validate(plan.val_window_tensor)))
-                    self.log_step(step, val_losses[-1][1])
-            if last:
-                break
-            self.profiler.at(step, self.rank)
-            stopping |= loss_check.push(step, *self.train_step(plan))
-            self.step = step + 1
-            self.log_step(self.step)
-            if self.step == self.total_steps or self.schedule.stage_index(self.step) != plan.stage:
-                self.log_pieces(plan.stage)
-            if stopping and checkpoint_complete_after(self.step):
-                loss_check.finish()
-                with self.clock.paused():
-                    self.stop_with_checkpoint()
-            if hp.save_every and self.step % hp.save_every == 0 and self.step < self.total_steps:
-                with self.clock.paused():
-                    self.checkpoint(f"step_{self.step:06d}")
-        loss_check.finish()
-        if hp.save_checkpoint:
-            self.checkpoint("final", required=True)
-        for line in self.stats.summary(self.model, hp, self.tokens_seen, self.clock.ms, self.world_size):
-            self.log(line)
-        self.loader.close()
-        return val_losses
-
 # ----------------------------------------------------------------------------------------------
 # main(): parse, train, and turn bad input into one line
 
@@ -4363,6 +4213,181 @@ def fail(trainer, message, code=2):
     if trainer is not None:
         trainer.log.record_ending(line)
     sys.exit(code)
+
+# ----------------------------------------------------------------------------------------------
+# CPU fallbacks: tiled SDPA attention, a chunked loss, fp32 Polar Express; the synthetic corpus
+
+# FlexAttention has no CPU backward, so attention runs as tiled SDPA with the same mask; the
+# softcapped loss runs in chunks with its gradients formed on the way; Polar Express runs in fp32
+# (backend_for), as bf16 matmuls without native support are ~20x slower.
+
+
+# FlexAttention has no CPU backward, so attention runs as tiled SDPA with the same mask; the softcapped loss
+# runs in chunks with its gradients formed on the way; Polar Express runs in fp32 (make_optimizers), as bf16
+# matmuls without native support are ~20x slower.
+
+def local_window_mask(docs, window_tokens):
+    """Queries in tiles of ATTN_BLOCK; each tile sees the window_tokens keys before it plus itself.
+    Returns (tile mask, keys looked back)."""
+    seq_len = docs.numel()
+    n_tiles = -(-seq_len // ATTN_BLOCK)
+    lookback = min(int(window_tokens), seq_len)  # a shape: the CPU path reads the window on the host
+    # Padding positions get one extra document id, so every query row has at least itself unmasked.
+    padded = torch.cat([docs, (docs[-1:] + 1).expand(n_tiles * ATTN_BLOCK - seq_len)])
+    q_pos = torch.arange(n_tiles * ATTN_BLOCK, device=docs.device).view(n_tiles, ATTN_BLOCK, 1)
+    k_pos = (torch.arange(n_tiles, device=docs.device)[:, None] * ATTN_BLOCK - lookback
+             + torch.arange(lookback + ATTN_BLOCK, device=docs.device)[None, :])[:, None, :]
+    k_doc = padded[k_pos.clamp_min(0)]
+    allowed = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos - k_pos <= window_tokens) & (padded[q_pos] == k_doc)
+    return allowed[:, None], lookback
+
+
+def local_window_attention(q, k, v, mask, scale):
+    """q, k, v (T, H, D) -> (T, H, D) with the tiles of local_window_mask, via one batched SDPA."""
+    allowed, lookback = mask
+    seq_len, n_tiles = q.size(0), allowed.size(0)
+    tail = n_tiles * ATTN_BLOCK - seq_len
+
+    def windows(t):  # (T, H, D) -> (tiles, H, lookback + ATTN_BLOCK, D)
+        t = F.pad(t, (0, 0, 0, 0, lookback, tail))
+        return t.unfold(0, lookback + ATTN_BLOCK, ATTN_BLOCK).permute(0, 1, 3, 2)
+
+    q = q * scale.to(q.dtype)  # the softmax scale, applied without reading it on the host
+    q_tiles = F.pad(q, (0, 0, 0, 0, 0, tail)).view(n_tiles, ATTN_BLOCK, *q.shape[1:]).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q_tiles, windows(k), windows(v), attn_mask=allowed, scale=1.0)
+    return y.transpose(1, 2).reshape(n_tiles * ATTN_BLOCK, *q.shape[1:])[:seq_len]
+
+
+class TiledWindowAttention:
+    """The CPU attention: same mask semantics as FlexWindowAttention, via one batched SDPA over tiles."""
+
+    mask = staticmethod(local_window_mask)
+
+    def __call__(self, q, k, v, mask, scale):
+        return local_window_attention(q, k, v, mask, scale)
+
+
+SOFTCAP_CHUNK = 512  # rows of logits alive at once in the CPU loss
+
+
+def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, loss_mask=None, prior=None,
+                         prior_rows=None):
+    """Summed cross-entropy of the softcapped logits of x @ w.T (with mtp_weights: the multi-token
+    loss; with loss_mask: over its terms, as multi_token_loss; with an NgramPrior: plus its rows of the
+    contexts prior_rows, NgramPrior.context_rows of the inputs), SOFTCAP_CHUNK rows at a time; with_grads also forms d loss / d x
+    and d loss / d w on the way.
+    On CPU, eager elementwise passes over full (tokens, vocab) logits dominate; on GPU the compiled
+    graph fuses them instead."""
+    scale, n = softcap.scale, x.size(0)
+    weights = [1.0] if mtp_weights is None else mtp_weights  # 0-dim tensors: no host read
+    grad_x = torch.empty_like(x) if with_grads else None
+    grad_w = torch.zeros_like(w) if with_grads else None
+    total = x.new_zeros((), dtype=torch.float32)
+    for start in range(0, n, SOFTCAP_CHUNK):
+        xc = x[start: start + SOFTCAP_CHUNK]
+        rows = torch.arange(xc.size(0), device=x.device)
+        # the targets of the next len(weights) tokens that exist: row r of horizon k targets token start + r + k
+        horizons = [(wk, targets[start + k: start + k + xc.size(0)]) for k, wk in enumerate(weights) if start + k < n]
+        if loss_mask is not None:  # each horizon's weight per row: 0 where the mask or the target says no
+            horizons = [(wk * (loss_mask[start: start + tk.numel()] & (tk >= 0)), tk.clamp_min(0)) for wk, tk in horizons]
+        logits = (xc @ w.T).float()
+        if softcap.offset:
+            logits.add_(softcap.offset)
+        logits.div_(SOFTCAP_WIDTH).sigmoid_().mul_(scale)
+        # d logits / d z = scale * s (1 - s) / SOFTCAP_WIDTH with s = logits / scale,
+        # i.e. logits * (scale - logits) / (scale * SOFTCAP_WIDTH)
+        slope = torch.rsub(logits, scale).mul_(logits) if with_grads else None
+        if prior is not None:  # a constant: d loss / d logits keeps its form, with the softmax of the sum
+            prior.add_to(logits, prior_rows[:, start: start + xc.size(0)])
+        picked = [logits[rows[: tk.numel()], tk] for _, tk in horizons]
+        probs = logits.exp_()  # logits lie below scale (a prior's log-probabilities are <= 0): exp cannot overflow
+        sum_exp = probs.sum(dim=1)
+        log_sum = sum_exp.log()
+        for (wk, tk), z in zip(horizons, picked):
+            if loss_mask is not None:
+                total += (wk * (log_sum[: tk.numel()] - z)).sum()
+                continue
+            term = (log_sum[: tk.numel()] - z).sum()
+            total += term if mtp_weights is None else wk * term
+        if with_grads:
+            probs.mul_(sum_exp.reciprocal_()[:, None])
+            if loss_mask is not None:
+                probs.mul_(sum(F.pad(wk, (0, xc.size(0) - wk.numel())) for wk, _ in horizons)[:, None])
+            elif mtp_weights is not None:  # each row's probabilities once per horizon it predicts
+                probs.mul_(sum(torch.where(rows < tk.numel(), wk, 0.0) for wk, tk in horizons)[:, None])
+            for wk, tk in horizons:  # one target per row and horizon
+                probs[rows[: tk.numel()], tk] -= wk
+            grad_logits = probs.mul_(slope)
+            grad_x[start: start + SOFTCAP_CHUNK] = (grad_logits @ w.float()).div_(scale * SOFTCAP_WIDTH).to(x.dtype)
+            grad_w += (grad_logits.T @ xc.float()).div_(scale * SOFTCAP_WIDTH).to(w.dtype)
+    return total, grad_x, grad_w
+
+
+class ChunkedSoftcapLoss(torch.autograd.Function):
+    """chunked_softcap_loss as an autograd op: gradients come from the forward pass, so no
+    (tokens, vocab) tensor outlives one chunk."""
+
+    @staticmethod
+    def forward(ctx, x, w, targets, softcap, mtp_weights, loss_mask, prior=None, prior_rows=None):
+        total, grad_x, grad_w = chunked_softcap_loss(x, w, targets, True, softcap, mtp_weights, loss_mask, prior,
+                                                     prior_rows)
+        ctx.save_for_backward(grad_x, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_total, grad_w * grad_total, None, None, None, None, None, None
+
+
+def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None,
+                                  loss_mask=None, inputs=None, prior=None):
+    """softcap_cross_entropy for the CPU: same values, chunked (fp8_scales and the sigmoid's bf16
+    rounding are ignored: no FP8 on CPU, and the CPU path computes in fp32); with --ngram_prior's
+    NgramPrior (backend_for binds it) its rows of the contexts in `inputs` join the logits."""
+    prior_rows = None if prior is None else prior.context_rows(inputs)
+    if training:
+        return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights, loss_mask, prior, prior_rows)
+    if loss_mask is not None:  # a validation piece: its summed loss
+        return chunked_softcap_loss(x, weight, targets, False, softcap, None, loss_mask, prior, prior_rows)[0]
+    return chunked_softcap_loss(x, weight, targets, False, softcap, prior=prior, prior_rows=prior_rows)[0] / x.size(0)
+
+
+CPU_POLAR_EXPRESS = dict(use_triton=False, dtype=torch.float32)
+
+
+def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512, topics=8):
+    """Write a deterministic corpus with learnable structure: BOS-started documents, each with a topic,
+    generated by a topic-dependent sparse Markov chain (4 successors per token, probs .6/.25/.1/.05).
+    A model must use context (the topic) and the previous token to reach ~1.1 nats/token;
+    the unigram entropy is ~ln(vocab). Returns the (train, val) paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    token_ids = rng.choice(np.arange(1000, 50000), size=vocab, replace=False)
+    successors = rng.integers(0, vocab, size=(topics, vocab, 4))
+    probs = np.array([0.6, 0.25, 0.1, 0.05])
+    paths = []
+    for name, n_tokens in (("synthetic_val_000000.bin", val_tokens), ("synthetic_train_000001.bin", train_tokens)):
+        docs = []
+        total = 0
+        while total < n_tokens:
+            n_docs, doc_len = 512, 1024
+            topic = rng.integers(0, topics, size=n_docs)
+            state = rng.integers(0, vocab, size=n_docs)
+            choices = rng.choice(4, size=(doc_len, n_docs), p=probs)
+            seq = np.empty((n_docs, doc_len), dtype=np.int64)
+            for t in range(doc_len):
+                seq[:, t] = state
+                state = successors[topic, state, choices[t]]
+            lengths = rng.integers(32, doc_len, size=n_docs)
+            for row, length in zip(seq, lengths):
+                docs.append(np.concatenate([[BOS_ID], token_ids[row[:length]]]))
+                total += length + 1
+        path = out_dir / name
+        write_shard(path, np.concatenate(docs)[:n_tokens])
+        paths.append(path)
+    return paths
 
 
 if __name__ == "__main__":
