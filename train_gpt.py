@@ -1,12 +1,15 @@
 """speedrun: train a GPT-2-small-class model on FineWeb to val loss <= 3.28, fast.
 
-One file on purpose: records copy it verbatim. The pieces come first, the run last, in sections:
-configuration (Hyperparameters, presets, the CLI) -> data (shards, the BOS-aligned loader, validation
-batches, n-gram counts) -> model (recipe 89's GPT, a LayerPlan per layer, built with a Backend) -> head and
-losses (FP8 head, softcapped multi-token loss, FP8 MLP) -> CPU fallbacks and backend_for (which picks a
-device's attention, loss, FP8 and dtypes once) -> optimizers (Polar Express, NorMuon, DistAdam) -> track-3
-optimizers (Shampoo, SOAP, AdamW) -> schedule (Schedule.at(step): one StepPlan per step) -> run bookkeeping
-(log, checkpoints, resume checks, signals) -> training loop (Trainer) -> main().
+One file on purpose: records copy it verbatim. The recipe comes first and reads straight through:
+configuration (Hyperparameters, presets) -> data (shards, the BOS-aligned loader, validation batches)
+-> model (recipe 89's GPT, a LayerPlan per layer, built with a Backend; its parameter table) -> head and
+losses (FP8 head, softcapped multi-token loss, FP8 MLP; backend_for picks a device's paths once) ->
+optimizers (Polar Express, NorMuon, DistAdam) -> schedule (Schedule.at(step): one StepPlan per step)
+-> training (Trainer: warm-up, timed steps, validation). A reader who stops at the fence (a line of
+'=') has read the whole recipe. After it: the run's bookkeeping (the generated CLI and its checks, the
+log, checkpoints, resume, signals, main()), micro-steps in pieces for smaller GPUs, and the CPU
+fallbacks. Other tracks live in files of their own beside this one, loaded only when a flag asks for
+them and carried by the run's log: track3.py (--matrix_optimizer) and ngram_prior.py (--ngram_prior).
 Run with `./run.sh` (torchrun over all GPUs) or `python train_gpt.py --preset cpu`.
 Importing this module registers two torch ops (speedrun::mm_fp8 and speedrun::mm_fp8_backward) and
 does nothing else; main() runs only under __main__.
@@ -70,6 +73,7 @@ try:
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
+
 
 # ----------------------------------------------------------------------------------------------
 # Configuration: one dataclass of hyperparameters and its presets (the CLI is generated from it,
@@ -241,6 +245,7 @@ def tokens_per_rank(batch_tokens, world_size, accum, what="--batch_sizes"):
             f"use a multiple of {world_size * accum}")
     return batch_tokens // (world_size * accum)
 
+
 # ----------------------------------------------------------------------------------------------
 # Data: .bin shards, BOS-aligned distributed batches (in pieces under --micro_batch_tokens),
 # validation batches
@@ -403,87 +408,7 @@ def model_inputs(window, doc_lengths, device, bigram_ids=None):
     return to_device(window[:-1], window[1:], padded_cu_seqlens(doc_lengths, positions), device, bigram_ids)
 
 
-# A micro-step piece carries the context the uncut micro-step would read outside it: before its tokens, the
-# document that precedes them, whole (up to max_seq_len tokens: for the smear gate and the bigram sign of
-# its first token its last token, for the key shift that token's key, a function of the whole document; or,
-# where a long document is cut, the document's earlier part), with no loss; after them, the targets of two
-# positions (the multi-token loss of its last positions).
-PIECE_CONTEXT_AFTER = MTP_HORIZON - 1
 NO_TARGET = -1  # a piece's target where the uncut micro-step has none (padding, past the micro-step's end)
-
-
-def pack_documents(doc_lengths, max_piece_tokens):
-    """[(start, stop)] of the pieces a micro-step of documents `doc_lengths` runs as: its documents in order,
-    as many as fit in max_piece_tokens; only a document longer than that is cut (into pieces of its own, the
-    last of which the next documents may join). Returns (bounds, number of documents cut)."""
-    bounds, start, used, cut = [], 0, 0, 0
-    for length in map(int, doc_lengths):
-        if used + length > max_piece_tokens:
-            if used:
-                bounds.append((start, start + used))
-                start, used = start + used, 0
-            cut += length > max_piece_tokens
-            while length > max_piece_tokens:
-                bounds.append((start, start + max_piece_tokens))
-                start, length = start + max_piece_tokens, length - max_piece_tokens
-        used += length
-    if used:
-        bounds.append((start, start + used))
-    return bounds, cut
-
-
-def piece_cap(hp):
-    """Most tokens per forward and backward per rank: --micro_batch_tokens, whose 0 means no cap."""
-    return hp.micro_batch_tokens or math.inf
-
-
-def padded_piece_length(tokens, max_piece_tokens, max_seq_len):
-    """Positions of the forward a micro-step of `tokens` (documents of at most max_seq_len) runs as: all of
-    them uncut, else the fixed length of its pieces (at most max_piece_tokens tokens and their context)."""
-    if tokens <= max_piece_tokens:
-        return tokens
-    return max_piece_tokens + max_seq_len + PIECE_CONTEXT_AFTER
-
-
-def piece_inputs(window, doc_lengths, start, stop, length, device, bigram_ids=None):
-    """The Batch of the micro-step piece [start, stop) of `window` (the micro-step's inputs and its last
-    target; documents `doc_lengths`; bigram ids hashed over the whole micro-step), padded to `length`
-    positions: [context][the piece's tokens][padding]. The context is the micro-step from the start of the
-    document holding the token before the piece (none for the first piece) up to the piece, with its document
-    boundaries and no loss; the two targets after the piece's last position ride on the first positions after
-    it; the padding is a document of its own with no loss; the rotary positions are the micro-step's."""
-    ends = np.cumsum(doc_lengths)
-    first = int((ends - doc_lengths)[np.searchsorted(ends, start - 1, side="right")]) if start else 0
-    after = min(PIECE_CONTEXT_AFTER, len(window) - 1 - stop)
-    return context_piece(window, doc_lengths, first, start, stop, after, length, device, bigram_ids)
-
-
-def context_piece(window, doc_lengths, first, start, stop, after, length, device, bigram_ids=None):
-    """The Batch of the tokens [start, stop) of `window` led by their context [first, start), padded to `length`
-    positions: the loss on the piece's tokens only, their targets and `after` more on the positions after them,
-    document boundaries cut to [first, stop), the padding a document of its own, rotary positions from first."""
-    before, tokens = start - first, stop - start
-    inputs = np.zeros(length, dtype=np.int64)  # padding: any token of every vocabulary
-    inputs[: before + tokens] = window[first: stop]
-    targets = np.full(length, NO_TARGET, dtype=np.int64)
-    targets[before: before + tokens + after] = window[start + 1: stop + 1 + after]
-    loss_mask = np.zeros(length, dtype=bool)
-    loss_mask[before: before + tokens] = True
-    lengths = [*cut_lengths(doc_lengths, first, stop), length - before - tokens]
-    ids = None
-    if bigram_ids is not None:
-        ids = np.full(length, bigram_ids[0], dtype=np.int32)  # the reserved row, as at position 0
-        ids[: before + tokens] = bigram_ids[first:stop]
-    return to_device(inputs, targets, padded_cu_seqlens([n for n in lengths if n], length), device, ids,
-                     np.arange(first, first + length), loss_mask)
-
-
-def cut_lengths(doc_lengths, start, stop):
-    """Lengths of the documents of a sequence inside [start, stop): a document the edges cut through keeps
-    its part inside (the piece treats that part as a document of its own)."""
-    ends = np.cumsum(doc_lengths)
-    inside = np.minimum(ends, stop) - np.maximum(ends - doc_lengths, start)
-    return inside[inside > 0]
 
 
 class TrainLoader:
@@ -636,38 +561,6 @@ def validation_batches(tokens, val_tokens, val_batch_size, rank, world_size, acc
     for buf, lengths in validation_windows(tokens, val_tokens, val_batch_size, rank, world_size, accum):
         yield model_inputs(buf, lengths, device, bigram_hash(buf[:-1], bigram_rows) if bigram_rows else None)
 
-
-def receptive_field(plan, window_pairs, window_block_tokens):
-    """Tokens back, inside one document, that a position's output can depend on under any of the (short, long)
-    window_pairs: each attention layer reaches its window (and its key shift one token more), the smear gate
-    and the bigram one token; everything else acts per position."""
-    return 1 + sum(max(pair[1 if layer.long_window else 0] for pair in window_pairs) * window_block_tokens
-                   + layer.key_shift for layer in plan if layer.attention)
-
-
-def validation_piece_length(tokens, max_piece_tokens, context):
-    """Positions of each forward a validation window of `tokens` runs as: all of them uncut, else the fixed
-    length of its pieces (at most max_piece_tokens tokens and the context before them)."""
-    return tokens if tokens <= max_piece_tokens else max_piece_tokens + min(context, tokens - max_piece_tokens)
-
-
-def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accum, device, max_piece_tokens, context,
-                      bigram_rows=0):
-    """[the Batches of each validation forward]: one uncut Batch (validation_batches) if it holds at most
-    max_piece_tokens tokens, else pieces of max_piece_tokens consecutive tokens (the last may be shorter), each
-    led by the `context` tokens before it (receptive_field; fewer at the window's start), with their document
-    boundaries, rotary positions and bigram ids and no loss (the context's first document starts where it
-    starts: what that changes lies more than `context` tokens before the piece's tokens, beyond their reach),
-    padded to validation_piece_length (a document of its own with no loss). Every loss term is the uncut one."""
-    for buf, lengths in validation_windows(tokens, val_tokens, val_batch_size, rank, world_size, accum):
-        n = len(buf) - 1
-        ids = bigram_hash(buf[:-1], bigram_rows) if bigram_rows else None
-        if n <= max_piece_tokens:
-            yield [model_inputs(buf, lengths, device, ids)]
-            continue
-        length = validation_piece_length(n, max_piece_tokens, context)
-        yield [context_piece(buf, lengths, max(0, start - context), start, min(start + max_piece_tokens, n), 0, length,
-                             device, ids) for start in range(0, n, max_piece_tokens)]
 
 # ----------------------------------------------------------------------------------------------
 # Model: recipe 89's GPT, each layer's work resolved once into a LayerPlan; the parameter table
@@ -1365,6 +1258,7 @@ class GPT(nn.Module):
         """YaRN for the (short, long) windows in blocks the next forwards use (see Rotary.follow_window)."""
         self.rotary.follow_window(window_blocks[1] * self.window_block_tokens)
 
+
 # ----------------------------------------------------------------------------------------------
 # Head and losses: the FP8 head op, softcapped multi-token loss (fused in FP8), the FP8 MLP;
 # backend_for, which picks a device's paths once
@@ -1797,6 +1691,7 @@ def bf16_params(model):
     fp32_groups = ("scalars", "resid_lambdas", "lambdas")
     return [p for p, spec in model.param_table()
             if (spec.optimizer == "adam" and spec.label not in fp32_groups) or spec.label == "gate"]
+
 
 # ----------------------------------------------------------------------------------------------
 # Optimizers: Polar Express (Triton kernels on GPU), NorMuon, sharded DistAdam, and their wiring
@@ -2568,6 +2463,7 @@ def step_optimizers(plan, matrix_opt, adam):
     if plan.unties_after:
         adam.untie()
 
+
 # ----------------------------------------------------------------------------------------------
 # Schedule: the Stages, and Schedule.at(step): everything that changes with the step
 # (record: 1380 steps in thirds + 10)
@@ -2710,20 +2606,9 @@ def start_step(plan, model, *optimizers):
         optimizer.set_schedule(plan.lr_multiplier, plan.momentum)
     model.follow_window(plan.windows)
 
+
 # ----------------------------------------------------------------------------------------------
 # Training: the run's data and model, Trainer (warm-up, timed steps, validation)
-
-
-def micro_step_pieces(hp, world_size, accum):
-    """[(tokens of a micro-step per rank, the positions of each forward it runs as)] of the run's stages, each
-    pair once (one compiled length each)."""
-    pairs = []
-    for stage in Schedule(hp).stages[:3]:
-        tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
-        pair = (tokens, padded_piece_length(tokens, piece_cap(hp), stage.max_seq_len))
-        if pair not in pairs:
-            pairs.append(pair)
-    return pairs
 
 
 def finite_validation_loss(value):
@@ -3272,6 +3157,7 @@ def _parse_profile_range(text):
         return None
     return (start, end) if 0 <= start < end else None
 
+
 # ----------------------------------------------------------------------------------------------
 # Shards written and fingerprinted; data checks before the first step
 
@@ -3417,6 +3303,7 @@ def step_shards_run_out(hp, files, world_size, accum):
                     bos, size = np.flatnonzero(tokens == BOS_ID), tokens.size
                 cursor = plan[1]
     return None
+
 
 # ----------------------------------------------------------------------------------------------
 # Run bookkeeping: the log and run lock, checkpoints and resume checks, ranks, stop signals,
@@ -4165,6 +4052,7 @@ def remove_stale_checkpoint_writes(folder, log):
     if stale:
         log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in {folder}")
 
+
 # ----------------------------------------------------------------------------------------------
 # main(): parse, train, and turn bad input into one line
 
@@ -4213,6 +4101,139 @@ def fail(trainer, message, code=2):
     if trainer is not None:
         trainer.log.record_ending(line)
     sys.exit(code)
+
+
+# ----------------------------------------------------------------------------------------------
+# Smaller GPUs (--micro_batch_tokens): micro-steps and validation in pieces of whole documents
+# with their context
+
+
+# A micro-step piece carries the context the uncut micro-step would read outside it: before its tokens, the
+# document that precedes them, whole (up to max_seq_len tokens: for the smear gate and the bigram sign of
+# its first token its last token, for the key shift that token's key, a function of the whole document; or,
+# where a long document is cut, the document's earlier part), with no loss; after them, the targets of two
+# positions (the multi-token loss of its last positions).
+PIECE_CONTEXT_AFTER = MTP_HORIZON - 1
+
+
+def pack_documents(doc_lengths, max_piece_tokens):
+    """[(start, stop)] of the pieces a micro-step of documents `doc_lengths` runs as: its documents in order,
+    as many as fit in max_piece_tokens; only a document longer than that is cut (into pieces of its own, the
+    last of which the next documents may join). Returns (bounds, number of documents cut)."""
+    bounds, start, used, cut = [], 0, 0, 0
+    for length in map(int, doc_lengths):
+        if used + length > max_piece_tokens:
+            if used:
+                bounds.append((start, start + used))
+                start, used = start + used, 0
+            cut += length > max_piece_tokens
+            while length > max_piece_tokens:
+                bounds.append((start, start + max_piece_tokens))
+                start, length = start + max_piece_tokens, length - max_piece_tokens
+        used += length
+    if used:
+        bounds.append((start, start + used))
+    return bounds, cut
+
+
+def piece_cap(hp):
+    """Most tokens per forward and backward per rank: --micro_batch_tokens, whose 0 means no cap."""
+    return hp.micro_batch_tokens or math.inf
+
+
+def padded_piece_length(tokens, max_piece_tokens, max_seq_len):
+    """Positions of the forward a micro-step of `tokens` (documents of at most max_seq_len) runs as: all of
+    them uncut, else the fixed length of its pieces (at most max_piece_tokens tokens and their context)."""
+    if tokens <= max_piece_tokens:
+        return tokens
+    return max_piece_tokens + max_seq_len + PIECE_CONTEXT_AFTER
+
+
+def piece_inputs(window, doc_lengths, start, stop, length, device, bigram_ids=None):
+    """The Batch of the micro-step piece [start, stop) of `window` (the micro-step's inputs and its last
+    target; documents `doc_lengths`; bigram ids hashed over the whole micro-step), padded to `length`
+    positions: [context][the piece's tokens][padding]. The context is the micro-step from the start of the
+    document holding the token before the piece (none for the first piece) up to the piece, with its document
+    boundaries and no loss; the two targets after the piece's last position ride on the first positions after
+    it; the padding is a document of its own with no loss; the rotary positions are the micro-step's."""
+    ends = np.cumsum(doc_lengths)
+    first = int((ends - doc_lengths)[np.searchsorted(ends, start - 1, side="right")]) if start else 0
+    after = min(PIECE_CONTEXT_AFTER, len(window) - 1 - stop)
+    return context_piece(window, doc_lengths, first, start, stop, after, length, device, bigram_ids)
+
+
+def context_piece(window, doc_lengths, first, start, stop, after, length, device, bigram_ids=None):
+    """The Batch of the tokens [start, stop) of `window` led by their context [first, start), padded to `length`
+    positions: the loss on the piece's tokens only, their targets and `after` more on the positions after them,
+    document boundaries cut to [first, stop), the padding a document of its own, rotary positions from first."""
+    before, tokens = start - first, stop - start
+    inputs = np.zeros(length, dtype=np.int64)  # padding: any token of every vocabulary
+    inputs[: before + tokens] = window[first: stop]
+    targets = np.full(length, NO_TARGET, dtype=np.int64)
+    targets[before: before + tokens + after] = window[start + 1: stop + 1 + after]
+    loss_mask = np.zeros(length, dtype=bool)
+    loss_mask[before: before + tokens] = True
+    lengths = [*cut_lengths(doc_lengths, first, stop), length - before - tokens]
+    ids = None
+    if bigram_ids is not None:
+        ids = np.full(length, bigram_ids[0], dtype=np.int32)  # the reserved row, as at position 0
+        ids[: before + tokens] = bigram_ids[first:stop]
+    return to_device(inputs, targets, padded_cu_seqlens([n for n in lengths if n], length), device, ids,
+                     np.arange(first, first + length), loss_mask)
+
+
+def cut_lengths(doc_lengths, start, stop):
+    """Lengths of the documents of a sequence inside [start, stop): a document the edges cut through keeps
+    its part inside (the piece treats that part as a document of its own)."""
+    ends = np.cumsum(doc_lengths)
+    inside = np.minimum(ends, stop) - np.maximum(ends - doc_lengths, start)
+    return inside[inside > 0]
+
+
+def receptive_field(plan, window_pairs, window_block_tokens):
+    """Tokens back, inside one document, that a position's output can depend on under any of the (short, long)
+    window_pairs: each attention layer reaches its window (and its key shift one token more), the smear gate
+    and the bigram one token; everything else acts per position."""
+    return 1 + sum(max(pair[1 if layer.long_window else 0] for pair in window_pairs) * window_block_tokens
+                   + layer.key_shift for layer in plan if layer.attention)
+
+
+def validation_piece_length(tokens, max_piece_tokens, context):
+    """Positions of each forward a validation window of `tokens` runs as: all of them uncut, else the fixed
+    length of its pieces (at most max_piece_tokens tokens and the context before them)."""
+    return tokens if tokens <= max_piece_tokens else max_piece_tokens + min(context, tokens - max_piece_tokens)
+
+
+def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accum, device, max_piece_tokens, context,
+                      bigram_rows=0):
+    """[the Batches of each validation forward]: one uncut Batch (validation_batches) if it holds at most
+    max_piece_tokens tokens, else pieces of max_piece_tokens consecutive tokens (the last may be shorter), each
+    led by the `context` tokens before it (receptive_field; fewer at the window's start), with their document
+    boundaries, rotary positions and bigram ids and no loss (the context's first document starts where it
+    starts: what that changes lies more than `context` tokens before the piece's tokens, beyond their reach),
+    padded to validation_piece_length (a document of its own with no loss). Every loss term is the uncut one."""
+    for buf, lengths in validation_windows(tokens, val_tokens, val_batch_size, rank, world_size, accum):
+        n = len(buf) - 1
+        ids = bigram_hash(buf[:-1], bigram_rows) if bigram_rows else None
+        if n <= max_piece_tokens:
+            yield [model_inputs(buf, lengths, device, ids)]
+            continue
+        length = validation_piece_length(n, max_piece_tokens, context)
+        yield [context_piece(buf, lengths, max(0, start - context), start, min(start + max_piece_tokens, n), 0, length,
+                             device, ids) for start in range(0, n, max_piece_tokens)]
+
+
+def micro_step_pieces(hp, world_size, accum):
+    """[(tokens of a micro-step per rank, the positions of each forward it runs as)] of the run's stages, each
+    pair once (one compiled length each)."""
+    pairs = []
+    for stage in Schedule(hp).stages[:3]:
+        tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
+        pair = (tokens, padded_piece_length(tokens, piece_cap(hp), stage.max_seq_len))
+        if pair not in pairs:
+            pairs.append(pair)
+    return pairs
+
 
 # ----------------------------------------------------------------------------------------------
 # CPU fallbacks: tiled SDPA attention, a chunked loss, fp32 Polar Express; the synthetic corpus
