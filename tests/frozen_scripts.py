@@ -68,7 +68,7 @@ def scratch_folder() -> Path:
 
 def import_source(source: str, module_name: str):
     """Import source as module `module_name` from a file (triton.jit and inspect read the source)."""
-    # the module's __file__ is this rewritten copy, so its script_source() is not the logged script
+    # the module's __file__ is this rewritten copy, so its run_source() is not the logged script
     path = scratch_folder() / f"{module_name}.py"
     path.write_text(source, encoding="utf-8")
     spec = importlib.util.spec_from_file_location(module_name, path)

@@ -42,7 +42,7 @@ def one_step(rank, init_file, out_dir):
                         "--bigram_dim", "8", "--bigram_vocab_size", "1024"])
         torch.manual_seed(0)
         model = tg.build_model(hp, torch.device("cpu"))
-        matrix_opt, adam = tg.make_optimizers(model, hp)
+        matrix_opt, adam = tg.make_optimizers(model, hp, tg.backend_for(hp, torch.device("cpu")))
         events = []
         originals = {name: getattr(dist, name) for name in ("reduce_scatter_tensor", "all_gather_into_tensor")}
         g = torch.Generator().manual_seed(rank)

@@ -400,7 +400,7 @@ def test_tiny_model_learns_synthetic_corpus(tmp_path, one_thread):
     hp = dataclasses.replace(hp, vocab_size=513)  # remapped ids (the flag itself needs room for BOS 50256)
     torch.manual_seed(0)
     model = tg.build_model(hp, CPU)
-    muon, adam = tg.make_optimizers(model, hp)
+    muon, adam = tg.make_optimizers(model, hp, tg.backend_for(hp, CPU))
     loader = tg.TrainLoader(str(tmp_path / "synthetic_train_*.bin"), 0, 1, CPU, cycle=True)
     val_tokens = tg.read_validation_tokens(str(tmp_path / "synthetic_val_*.bin"), 8193)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import plan_memory as pm
+import ngram_prior
 import train_gpt as tg
 from test_training import tiny
 
@@ -112,11 +113,11 @@ def test_the_cpu_plan_counts_the_ngram_priors_bytes(tmp_path, monkeypatch):
     hp = tg.parse_args(["--preset", "cpu", "--ngram_prior_order", "4", "--train_files", str(tmp_path / "t_*.bin")])
     monkeypatch.setattr(pm, "shard_tokens", lambda path: 10 ** 8)
     lines = pm.plan_report(hp, 1, 80.0)
-    bound = tg.NgramPrior.bytes_bound(4, 10 ** 8, tg.padded_vocab(hp))
+    bound = ngram_prior.NgramPrior.bytes_bound(4, 10 ** 8, tg.padded_vocab(hp))
     row = [line for line in lines if "n-gram prior, at most (100,000,000 tokens)" in line]
     assert len(row) == 1 and float(row[0].split()[-2]) == pytest.approx(bound / pm.GiB, abs=0.006), row
     without = pm.plan_report(tg.dataclasses.replace(hp, ngram_prior=0.0), 1, 80.0)
     peak = lambda ls: float(ls[-1].split()[-2])  # noqa: E731
     assert peak(lines) == pytest.approx(peak(without) + bound / pm.GiB, abs=0.011)
-    prior = tg.NgramPrior(tg.kneser_ney(*tg.count_ngrams([tokens], hp.vocab_size, 4)), 1.0, tg.padded_vocab(hp))
-    assert 0 < prior.nbytes() <= tg.NgramPrior.bytes_bound(4, tokens.size, tg.padded_vocab(hp))
+    prior = ngram_prior.NgramPrior(ngram_prior.kneser_ney(*ngram_prior.count_ngrams([tokens], hp.vocab_size, 4)), 1.0, tg.padded_vocab(hp))
+    assert 0 < prior.nbytes() <= ngram_prior.NgramPrior.bytes_bound(4, tokens.size, tg.padded_vocab(hp))

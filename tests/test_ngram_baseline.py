@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import ngram_baseline as nb
+import ngram_prior
 import train_gpt as tg
 
 VOCAB = 7
@@ -80,7 +81,7 @@ def kneser_ney_rows(model, context):
     """(vocab,) float64: P(. | context) of a KneserNey model, built from its parts (offsets and corrections)."""
     log_p = model.log_unigram.copy()
     if len(context):
-        rows = tg.ngram_context_rows([level.contexts for level in model.levels], np.array(context))[:, -1]
+        rows = ngram_prior.ngram_context_rows([level.contexts for level in model.levels], np.array(context))[:, -1]
         for level, row in zip(model.levels, rows):
             if row >= 0:
                 log_p += level.log_backoff[row]
@@ -95,12 +96,12 @@ def test_every_kneser_ney_distribution_sums_to_one(order):
     them), and every suffix order, sums to 1 over the vocabulary: float64 sums of <= 6 terms, 1e-12."""
     rng = np.random.default_rng(order)
     streams = [rng.integers(0, 4, 300), rng.integers(0, 3, 40), np.array([4])]  # 4: once, at a stream's start
-    model = tg.kneser_ney(*tg.count_ngrams(streams, 5, order))
+    model = ngram_prior.kneser_ney(*ngram_prior.count_ngrams(streams, 5, order))
     seen = unseen = 0
     assert kneser_ney_rows(model, ()).sum() == pytest.approx(1, abs=1e-12)  # the lowest order
     for length in range(1, order):
         for context in np.ndindex(*(5,) * length):
-            rows = tg.ngram_context_rows([level.contexts for level in model.levels], np.array(context))
+            rows = ngram_prior.ngram_context_rows([level.contexts for level in model.levels], np.array(context))
             seen, unseen = seen + int((rows[:, -1] >= 0).sum()), unseen + int((rows[:, -1] < 0).sum())
             assert kneser_ney_rows(model, context).sum() == pytest.approx(1, abs=1e-12), context
     assert seen > 0 and unseen > 0  # both kinds of context, at every order
@@ -113,9 +114,9 @@ def test_kneser_ney_discounts_follow_the_count_of_counts_by_hand():
     predecessors: 3 for tokens 1 and 2, 2 for token 3) have n1 = 0: Y = 0, D1 undefined (the fallback 0.5),
     D2 = 2, D3+ = 3, which discount every continuation count fully: P_1 is uniform."""
     pairs = [[1, 2]] * 4 + [[1, 3]] * 3 + [[2, 1]] * 2 + [[2, 3]] * 2 + [[3, 1], [3, 2], [1, 1], [4, 2]]
-    unigrams, levels = tg.count_ngrams([np.array(p) for p in pairs], 6, 2)
+    unigrams, levels = ngram_prior.count_ngrams([np.array(p) for p in pairs], 6, 2)
     assert sorted(levels[0].counts.tolist()) == [1, 1, 1, 1, 2, 2, 3, 4]
-    model = tg.kneser_ney(unigrams, levels)
+    model = ngram_prior.kneser_ney(unigrams, levels)
     np.testing.assert_allclose(model.discounts[1], [0.5, 1.25, 1.0], rtol=1e-12)
     np.testing.assert_allclose(model.discounts[0], [0.5, 2.0, 3.0], rtol=1e-12)
     # P(2 | 1) by hand: a(1 .) = 4 + 3 + 1 = 8, g(1) = (D1 + D3+ + D3+) / 8 = 2.5 / 8 (1,1 once, 1,3 three
@@ -142,7 +143,7 @@ def test_kneser_ney_bigram_is_just_below_the_absolute_discount_bigram_on_real_te
     cut = text.size * 9 // 10
     train, v, w = text[:cut], text[cut:-1], text[cut + 1:]
     bigram = -np.log(nb.CountModel([train], 256).bigram_prob(v, w, 0.75)).mean()
-    losses = [-nb.kneser_ney_log_probs(tg.kneser_ney(*tg.count_ngrams([train], 256, n)), v, w).mean()
+    losses = [-nb.kneser_ney_log_probs(ngram_prior.kneser_ney(*ngram_prior.count_ngrams([train], 256, n)), v, w).mean()
               for n in (2, 3)]
     assert bigram - 0.2 < losses[0] < bigram, (losses, bigram)
     assert losses[1] < losses[0] - 0.3, losses
@@ -153,14 +154,14 @@ def test_counts_are_exact_above_the_16_bit_and_the_old_32_bit_boundaries(vocab):
     """Keys pack tokens 16 bits each, whatever the vocabulary (the former uint32 key v * V + w wrapped above V ~
     85,500): pairs of the largest uint16 ids, which a wrapping key would merge, are counted apart."""
     tokens = np.array([65_535, 65_534, 65_535, 65_535, 0, 65_535, 65_534, 1, 0], dtype=np.uint16)
-    unigrams, (pairs,) = tg.count_ngrams([tokens], vocab, 2)
+    unigrams, (pairs,) = ngram_prior.count_ngrams([tokens], vocab, 2)
     expected = {}
     for v, w in zip(tokens.tolist(), tokens[1:].tolist()):
         expected[v, w] = expected.get((v, w), 0) + 1
     got = dict(zip(zip(pairs.contexts.tolist(), pairs.successors.tolist()), pairs.counts.tolist()))
     assert got == expected and unigrams.size == vocab and unigrams.sum() == tokens.size
     with pytest.raises(tg.DataError, match="pack tokens 16 bits each"):
-        tg.count_ngrams([np.array([65_536, 1])], vocab, 2)
+        ngram_prior.count_ngrams([np.array([65_536, 1])], vocab, 2)
 
 
 def test_kneser_ney_line_of_the_tool(tmp_path, capsys):
@@ -169,7 +170,7 @@ def test_kneser_ney_line_of_the_tool(tmp_path, capsys):
     nb.main(["--train", str(train), "--val", str(val), "--val_tokens", "4", "--vocab_size", str(VOCAB),
              "--order", "3"])
     lines = capsys.readouterr().out.splitlines()
-    model = tg.kneser_ney(*tg.count_ngrams([np.array([0, 1, 2, 3, 1, 2, 0] * 30)], VOCAB, 3))
+    model = ngram_prior.kneser_ney(*ngram_prior.count_ngrams([np.array([0, 1, 2, 3, 1, 2, 0] * 30)], VOCAB, 3))
     expected = -nb.kneser_ney_log_probs(model, np.array([0, 1, 2, 3]), np.array([1, 2, 3, 0])).mean()
     assert lines[0].startswith("counted 210 training tokens (") and "distinct 3-grams" in lines[0]
     assert lines[1].startswith(f"kneser_ney_3 val_loss: {expected:.4f} (discounts D1 D2 D3+ of orders 1 ... 3: ")

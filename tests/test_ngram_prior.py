@@ -6,8 +6,10 @@ import glob
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ngram_baseline as nb
+import ngram_prior
 import train_gpt as tg
 from test_training import corpus, tiny  # noqa: F401 (corpus: a fixture)
 
@@ -17,7 +19,7 @@ VOCAB, COLUMNS = 7, 9  # two padding columns, as the head pads the vocabulary
 def random_prior(weight, vocab=VOCAB, columns=COLUMNS, seed=0, order=3):
     rng = np.random.default_rng(seed)
     streams = [rng.integers(0, vocab - 1, 300), rng.integers(0, 3, 40)]
-    return tg.NgramPrior(tg.kneser_ney(*tg.count_ngrams(streams, vocab, order)), weight, columns)
+    return ngram_prior.NgramPrior(ngram_prior.kneser_ney(*ngram_prior.count_ngrams(streams, vocab, order)), weight, columns)
 
 
 def rows(prior, tokens):
@@ -32,8 +34,8 @@ def test_rows_are_the_tools_kneser_ney_log_probabilities(order):
     of size <= 10: 1e-5), they exponentiate to distributions, and the padding columns get nothing."""
     rng = np.random.default_rng(order)
     streams = [rng.integers(0, VOCAB - 1, 300), rng.integers(0, 3, 40)]
-    model = tg.kneser_ney(*tg.count_ngrams(streams, VOCAB, order))
-    prior = tg.NgramPrior(model, 1.0, COLUMNS)
+    model = ngram_prior.kneser_ney(*ngram_prior.count_ngrams(streams, VOCAB, order))
+    prior = ngram_prior.NgramPrior(model, 1.0, COLUMNS)
     tokens = np.concatenate([rng.integers(0, VOCAB, 60), [2, 2, 2, 2, 6, 6, 0]])  # 6: never counted
     table = rows(prior, torch.from_numpy(tokens)).double()
     for w in range(VOCAB):
@@ -49,14 +51,14 @@ def test_contexts_stop_at_the_sequence_start_and_at_a_document_token():
     bos = tg.BOS_ID
     whole = np.array([5, 6, 7, bos, 8, 9, 10, 11])
     streams = [np.array([5, 6, 7, bos, 8, 9, 10, 11] * 3)]
-    model = tg.kneser_ney(*tg.count_ngrams(streams, bos + 1, 4))
+    model = ngram_prior.kneser_ney(*ngram_prior.count_ngrams(streams, bos + 1, 4))
     contexts = [level.contexts for level in model.levels]
-    found = tg.ngram_context_rows(contexts, whole) >= 0
+    found = ngram_prior.ngram_context_rows(contexts, whole) >= 0
     # orders 2, 3, 4 (rows) at each position: the first has one token of context, the document token stops
     # the contexts of the tokens after it
     assert found.tolist() == [[1, 1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 0, 1, 1, 1, 1], [0, 0, 1, 0, 0, 1, 1, 1]]
-    piece = tg.ngram_context_rows(contexts, whole[3:])
-    np.testing.assert_array_equal(piece, tg.ngram_context_rows(contexts, whole)[:, 3:])
+    piece = ngram_prior.ngram_context_rows(contexts, whole[3:])
+    np.testing.assert_array_equal(piece, ngram_prior.ngram_context_rows(contexts, whole)[:, 3:])
 
 
 def test_weight_scales_the_rows():
@@ -99,8 +101,7 @@ def test_validation_loss_with_prior_matches_dense(monkeypatch):
     monkeypatch.setattr(tg, "SOFTCAP_CHUNK", 8)
     x, w, inputs, targets, _ = loss_inputs()
     targets, prior, softcap = targets.clamp_min(0), random_prior(1.3), tg.Softcap(23.0, 5.0)
-    loss = tg.chunked_softcap_cross_entropy(x, w, targets, False, None, softcap, prior=prior,
-                                            prior_rows=prior.context_rows(inputs))
+    loss = tg.chunked_softcap_cross_entropy(x, w, targets, False, None, softcap, inputs=inputs, prior=prior)
     logits = tg.softcapped(x @ w.T, softcap) + rows(prior, inputs)
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits, targets), rtol=1e-6, atol=1e-6)
 
@@ -111,7 +112,7 @@ def test_weight_zero_is_the_plain_loss_exactly(training):
     softcap, weights = tg.Softcap(23.0, 5.0), torch.tensor([1.0, 0.5, 0.25])
     args = (weights, mask) if training else (None, None)
     results = []
-    for extra in ({}, dict(prior=random_prior(0.0), prior_rows=random_prior(0.0).context_rows(inputs))):
+    for extra in ({}, dict(prior=random_prior(0.0), inputs=inputs)):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         loss = tg.chunked_softcap_cross_entropy(xi, wi, targets.clamp_min(0) if not training else targets, training,
                                                 None, softcap, *args, **extra)
@@ -129,27 +130,28 @@ def tiny_hp(**changes):
     return tg.dataclasses.replace(hp, **changes)
 
 
-def test_the_prior_is_an_input_of_the_loss_not_model_state():
-    """Counted on the clock, after the model exists: the loss and the logits take it as an argument, and the model
-    keeps nothing of it (its state, and its loss without the prior, are as before)."""
+def test_the_prior_reaches_the_loss_through_the_backend_not_the_model():
+    """The CPU Backend's loss adds the prior (backend_for binds it once): GPT.forward has no prior
+    argument, and the model keeps nothing of it (its state is that of a model without the prior)."""
+    import inspect
+    assert "prior" not in inspect.signature(tg.GPT.forward).parameters
     hp = tiny_hp(vocab_size=VOCAB)
-    torch.manual_seed(0)
-    model = tg.build_model(hp, torch.device("cpu")).eval()
-    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
-    prior = random_prior(1.0, columns=model.lm_head.weight.size(0))
+    prior = random_prior(1.0, columns=tg.padded_vocab(hp))
+    models = []
+    for bound in (None, prior):
+        torch.manual_seed(0)
+        models.append(tg.GPT(hp, tg.backend_for(hp, torch.device("cpu"), prior=bound)).eval())
     inputs = torch.randint(0, VOCAB - 1, (64,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
     cu = torch.tensor([0] + [64] * 64, dtype=torch.int32)
     with torch.no_grad():
-        plain = model(inputs, inputs.roll(-1).long(), cu, (1, 2))
-        with_prior = model(inputs, inputs.roll(-1).long(), cu, (1, 2), prior=prior)
-        logits = model.logits(inputs, cu, (1, 2), prior=prior) - model.logits(inputs, cu, (1, 2))
-        again = model(inputs, inputs.roll(-1).long(), cu, (1, 2))
-    assert with_prior != plain and torch.equal(again, plain)
-    # the vocabulary's columns (the padding's -1e4 is not resolved in fp32 sums); logits ~ 23: ulps of 2e-6
-    torch.testing.assert_close(logits[:, :VOCAB], rows(prior, inputs)[:, :VOCAB], rtol=0, atol=1e-5)
-    assert state.keys() == model.state_dict().keys()
-    assert all(torch.equal(v, model.state_dict()[k]) if torch.is_tensor(v) else v == model.state_dict()[k]
-               for k, v in state.items())
+        plain, with_prior = (m(inputs, inputs.roll(-1).long(), cu, (1, 2)) for m in models)
+        logits = models[0].logits(inputs, cu, (1, 2))
+    expected = F.cross_entropy(prior.add_to(logits.clone(), prior.context_rows(inputs)), inputs.roll(-1).long())
+    assert with_prior != plain
+    torch.testing.assert_close(with_prior, expected, rtol=1e-6, atol=1e-6)
+    state, other = models[0].state_dict(), models[1].state_dict()
+    assert state.keys() == other.keys()
+    assert all(torch.equal(v, other[k]) if torch.is_tensor(v) else v == other[k] for k, v in state.items())
 
 
 def test_the_cpu_preset_has_the_prior_and_the_record_not():
@@ -182,7 +184,7 @@ def test_a_run_with_the_prior_counts_on_the_clock_resumes_exactly_and_samples_wi
     counted = [line for line in log.splitlines() if line.startswith("ngram prior: counted ")]
     assert len(counted) == 1 and "training tokens" in counted[0] and "distinct 3-grams) in " in counted[0], counted
     files = sorted(glob.glob(str(corpus / "synthetic_train_*.bin")))
-    count_model = tg.kneser_ney(*tg.count_ngrams([tg.read_shard(f) for f in files], tg.GPT2_VOCAB_SIZE, 3))
+    count_model = ngram_prior.kneser_ney(*ngram_prior.count_ngrams([tg.read_shard(f) for f in files], tg.GPT2_VOCAB_SIZE, 3))
     val = tg.read_validation_tokens(str(corpus / "synthetic_val_*.bin"), 1024 + 1).astype(np.int64)
     count_loss = -nb.kneser_ney_log_probs(count_model, val[:-1], val[1:]).mean()
     # the fresh network's softcapped logits are near-uniform, so the step-0 loss is the count model's (the

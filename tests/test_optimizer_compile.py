@@ -49,7 +49,8 @@ def test_compiled_optimizer_math_gives_the_eager_updates_without_recompiles(monk
                         "--adam_group_betas", "true"])  # groups of one shape with different betas
     torch.manual_seed(0)
     model = tg.build_model(hp, torch.device("cpu"))
-    matrix_opt, adam = tg.make_optimizers(model, hp, compile_math=True)  # the compiled path's arguments
+    backend = tg.backend_for(hp, torch.device("cpu"))._replace(compile_math=True)  # the compiled path's arguments
+    matrix_opt, adam = tg.make_optimizers(model, hp, backend)
     report = []
     adam_graphs = CompileCounterWithBackend("aot_eager")
     compile_ = lambda fn, backend="aot_eager": torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)  # noqa: E731

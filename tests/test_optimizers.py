@@ -45,10 +45,28 @@ RECIPE_COEFFS = (
 # ----------------------------------------------------------------------------------------------
 # Toy parameter sets and deterministic per-(rank, step) gradients
 
+SPECS = {}  # parameter -> its ParamSpec (the model's param_table; here the toy parameters')
+
+
+def _tagged(p, label, lr_mul=1.0, wd_mul=1.0, pieces=1):
+    optimizer = "matrix" if label in ("attn", "attn_qk", "attn_vo", "mlp", "gate") else "adam"
+    SPECS[p] = tg.ParamSpec(label, optimizer, lr_mul, wd_mul, pieces)
+    return p
+
+
+def spec(p):
+    return SPECS[p]
+
+
+def table(params):
+    """The optimizers' input: (parameter, ParamSpec) pairs."""
+    return [(p, SPECS[p]) for p in params]
+
+
 def _param(gen, shape, label, lr_mul=1.0, wd_mul=1.0, scale=0.3):
-    """A tagged parameter; "attn" is the retie recipe's merged Q, K, V, O weight: 4 pieces."""
-    return tg.tag(nn.Parameter(torch.randn(shape, generator=gen) * scale), label, lr_mul, wd_mul,
-                  pieces=4 if label == "attn" else 1)
+    """A parameter with its spec; "attn" is the retie recipe's merged Q, K, V, O weight: 4 pieces."""
+    return _tagged(nn.Parameter(torch.randn(shape, generator=gen) * scale), label, lr_mul, wd_mul,
+                   pieces=4 if label == "attn" else 1)
 
 
 def muon_params():
@@ -118,7 +136,7 @@ def train(muon, adam, mparams, aparams, steps, grad_fn, phase=contextlib.nullcon
 
 
 def make_optimizers(mparams, aparams):
-    return tg.NorMuon(mparams, **MUON_HP), tg.DistAdam(aparams, **ADAM_HP)
+    return tg.NorMuon(table(mparams), **MUON_HP), tg.DistAdam(table(aparams), **ADAM_HP)
 
 
 def clone_all(params):
@@ -161,7 +179,7 @@ class RefNorMuon:
 
     def __init__(self, p):
         self.p = p.detach().double().clone()
-        self.label, self.lr_mul, self.wd_mul = p.label, p.lr_mul, p.wd_mul
+        self.label, self.lr_mul, self.wd_mul = spec(p).label, spec(p).lr_mul, spec(p).wd_mul
         self.M = torch.zeros_like(self.p)
         self.v = None
 
@@ -190,7 +208,7 @@ class RefAdam:
 
     def __init__(self, p):
         self.p = p.detach().float().clone()
-        self.lr_mul, self.wd_mul = p.lr_mul, p.wd_mul
+        self.lr_mul, self.wd_mul = spec(p).lr_mul, spec(p).wd_mul
         self.m = torch.zeros_like(self.p)
         self.v = torch.zeros_like(self.p)
         self.t = 0
@@ -216,7 +234,7 @@ def test_normuon_matches_single_matrix_reference():
               _param(g, (4 * D, D), "attn"),  # 4 blocks of (D, D), each of multiplier 1
               _param(g, (3, 12), "gate"),  # gate: per-row statistics although wide
               _param(g, (8, 24), "mlp")]  # wide: per-column statistics
-    muon = tg.NorMuon(params, **MUON_HP)
+    muon = tg.NorMuon(table(params), **MUON_HP)
     refs = [RefNorMuon(p) for p in params]
     for step in range(3):
         lr, mu = MUON_HP["lr"] * (1 - 0.1 * step), 0.85 + 0.05 * step
@@ -228,11 +246,11 @@ def test_normuon_matches_single_matrix_reference():
         muon.step()
         muon.zero_grad()
         for p, ref in zip(params, refs):
-            eta = lr * math.sqrt(max(1.0, p.shape[0] / p.pieces / p.shape[1])) * p.lr_mul
+            eta = lr * math.sqrt(max(1.0, p.shape[0] / spec(p).pieces / p.shape[1])) * spec(p).lr_mul
             err = (p.double() - ref.p).abs().max().item()
             # fp32 implementation vs float64 reference: measured max error 6.2e-6 * eta (3 steps);
             # a wrong axis/coefficient/step size is O(0.1 * eta) or more.
-            assert err <= 1e-4 * eta, (step, p.label, tuple(p.shape), err / eta)
+            assert err <= 1e-4 * eta, (step, spec(p).label, tuple(p.shape), err / eta)
 
 
 def test_normuon_keeps_a_gate_and_a_wide_matrix_of_one_shape_apart():
@@ -240,14 +258,14 @@ def test_normuon_keeps_a_gate_and_a_wide_matrix_of_one_shape_apart():
     their own, each normalized its way."""
     g = torch.Generator().manual_seed(4)
     gate, wide = _param(g, (3, 12), "gate"), _param(g, (3, 12), "mlp")
-    muon = tg.NorMuon([gate, wide], **MUON_HP)
+    muon = tg.NorMuon(table([gate, wide]), **MUON_HP)
     assert sorted(len(group["params"]) for group in muon.param_groups) == [1, 1]
-    assert {group["params"][0].label: group["reduce_dim"] for group in muon.param_groups} == {"gate": -1, "mlp": -2}
+    assert {spec(group["params"][0]).label: group["reduce_dim"] for group in muon.param_groups} == {"gate": -1, "mlp": -2}
 
 
 def test_distadam_matches_reference_adam_and_steps_on_odd_steps_only():
     params = adam_params()
-    adam = tg.DistAdam(params, **ADAM_HP)
+    adam = tg.DistAdam(table(params), **ADAM_HP)
     refs = [RefAdam(p) for p in params]
     schedule = tg.Schedule(tg.parse_args([]))
     assert [schedule.at(s).adam_step for s in range(4)] == [False, True, False, True]
@@ -267,18 +285,18 @@ def test_distadam_matches_reference_adam_and_steps_on_odd_steps_only():
                 ref.step(grad, lr, **{k: ADAM_HP[k] for k in ("betas", "eps")}, wd=ADAM_HP["weight_decay"])
             pending = [None] * len(params)
             for p, b, ref in zip(params, before, refs):
-                assert not torch.equal(p, b), f"Adam did not update {p.label} on odd step {step}"
-                eta = lr * p.lr_mul
+                assert not torch.equal(p, b), f"Adam did not update {spec(p).label} on odd step {step}"
+                eta = lr * spec(p).lr_mul
                 err = (p - ref.p).abs().max().item()
                 # same arithmetic up to the order of fp32 operations: measured max error one ulp of
                 # |p| (1.2e-7 at |p| < 2); tolerance 4 ulps of the largest |p| plus 1e-6 * eta per
                 # step. Missing bias correction (~0.56 eta), eps in the wrong place (~0.5 eta on the
                 # tiny rows) or unmasked decay (0.1 * eta * |p|) are far outside it.
                 tolerance = 4 * 2 ** -24 * ref.p.abs().max().item() + 1e-6 * eta * ref.t
-                assert err <= tolerance, (step, p.label, err / eta)
+                assert err <= tolerance, (step, spec(p).label, err / eta)
         else:
             for p, b in zip(params, before):
-                assert torch.equal(p, b), f"Adam changed {p.label} on even step {step}"
+                assert torch.equal(p, b), f"Adam changed {spec(p).label} on even step {step}"
             assert all(p.grad is not None for p in params)  # gradients kept for the odd step
     for group in adam.param_groups:
         assert group["exp_avg"].dtype == torch.float32 and group["exp_avg_sq"].dtype == torch.float32
@@ -314,7 +332,7 @@ def test_distadam_one_process_owns_every_row():
     g = torch.Generator().manual_seed(5)
     p = _param(g, (3, 4), "lm_head")  # 3 rows: only world size 1 divides them
     before = p.detach().clone()
-    adam = tg.DistAdam([p], **ADAM_HP)
+    adam = tg.DistAdam(table([p]), **ADAM_HP)
     p.grad = torch.ones_like(p)
     adam.step()
     assert adam.param_groups[0]["exp_avg"].shape == (3, 4)  # one process owns every row
@@ -336,7 +354,7 @@ def test_save_load_roundtrip_one_process_continues_identically():
     adam2.load_state_dict(state_a)
     train(muon2, adam2, mparams2, aparams2, range(RESUME_AT, STEPS), grad_fn)
     for p, q in zip(mparams + aparams, mparams2 + aparams2):
-        assert torch.equal(p, q), p.label
+        assert torch.equal(p, q), spec(p).label
 
     # without the loaded state the continuation differs (so the comparison above can fail)
     mparams3, aparams3 = fresh_from(saved_m, muon_params), fresh_from(saved_a, adam_params)
@@ -420,7 +438,7 @@ def one_process_reference():
 
 
 def _labels():
-    return [(p.label, tuple(p.shape)) for p in muon_params() + adam_params()]
+    return [(spec(p).label, tuple(p.shape)) for p in muon_params() + adam_params()]
 
 
 N_MUON = len(muon_params())
@@ -493,7 +511,7 @@ def test_backward_issues_no_collective_and_each_step_reduces_its_own_grads(two_p
     for step in range(STEPS):
         expected_phases += ["backward", "normuon"] + (["adam"] if step % 2 == 1 else [])
     assert [name for name, _ in log] == expected_phases
-    n_groups = len(tg.stacked_groups(muon_params(), 2))
+    n_groups = len(tg.stacked_groups(table(muon_params()), 2))
     n_buckets = 1  # DistAdam's parameters, all of ADAM_BUCKET_NUMEL elements or fewer and fp32, in one bucket
     assert all(p.numel() <= tg.ADAM_BUCKET_NUMEL and p.dtype == torch.float32 for p in adam_params())
     for name, calls in log:
@@ -508,7 +526,8 @@ def bucket_params():
     """adam_params() (two tables of 256 elements, 11 scalars that do not divide by 2 ranks), a tied embedding,
     and two small bf16 gates (5 rows: padded too)."""
     g = torch.Generator().manual_seed(3)
-    gates = [tg.tag(nn.Parameter((torch.randn(shape, generator=g) * 0.3).bfloat16()), "gate") for shape in ((5, 3), (4,))]
+    gates = [_tagged(nn.Parameter((torch.randn(shape, generator=g) * 0.3).bfloat16()), "gate")
+             for shape in ((5, 3), (4,))]
     return adam_params() + [_param(g, (32, 8), "embed")] + gates
 
 
@@ -528,7 +547,7 @@ def _bucket_worker(rank, world_size, port, out_dir):
         for bucket_numel in (0, 100):
             tg.ADAM_BUCKET_NUMEL = bucket_numel
             params = bucket_params()
-            adam = tg.DistAdam(params, **ADAM_HP, tie=(params[0], params[3]))
+            adam = tg.DistAdam(table(params), **ADAM_HP, tie=(params[0], params[3]))
             calls.clear()
             for step in range(4):
                 for i, p in enumerate(params):
@@ -556,8 +575,8 @@ def test_bucketed_distadam_equals_one_collective_per_parameter():
     for result in results:
         (alone, alone_calls, alone_state), (bucketed, bucketed_calls, bucketed_state) = result[0], result[100]
         for a, b, p0 in zip(alone, bucketed, start):
-            assert not torch.equal(a, p0.detach()), p0.label
-            assert a.dtype == b.dtype == p0.dtype and torch.equal(a, b), p0.label
+            assert not torch.equal(a, p0.detach()), spec(p0).label
+            assert a.dtype == b.dtype == p0.dtype and torch.equal(a, b), spec(p0).label
         # the moments too: Adam's direction is blind to a gradient's scale (a sum in place of the average)
         for a, b in zip(alone_state["groups"], bucketed_state["groups"]):
             assert a["step"] == b["step"] and all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
@@ -586,7 +605,7 @@ def _wire_worker(rank, world_size, port, out_dir):
         for kind, grad_fn in grads.items():
             for wire in (None, torch.bfloat16):
                 params = muon_params()
-                muon = tg.NorMuon(params, **MUON_HP, wire_dtype=wire)
+                muon = tg.NorMuon(table(params), **MUON_HP, wire_dtype=wire)
                 sent.clear()
                 steps = []
                 for step in range(3):
@@ -626,9 +645,9 @@ def test_normuon_sends_bf16_and_keeps_the_exact_weights_where_they_are_owned():
         fp32, bf16 = result["same", None], result["same", torch.bfloat16]
         for step in range(3):
             for exact, got, is_owned, p0 in zip(fp32["steps"][step], bf16["steps"][step], owned, start):
-                assert not torch.equal(exact, p0.detach()), p0.label
+                assert not torch.equal(exact, p0.detach()), spec(p0).label
                 expected = exact if is_owned else exact.bfloat16().float()
-                assert torch.equal(got, expected), (rank, step, p0.label, is_owned)
+                assert torch.equal(got, expected), (rank, step, spec(p0).label, is_owned)
         assert all(torch.equal(a, b) for a, b in zip(fp32["exact"], bf16["exact"])), rank
     for kind in ("same", "by_rank"):  # the ranks agree on the weights the forward sees, and after exact_weights()
         r0, r1 = results[0][kind, torch.bfloat16], results[1][kind, torch.bfloat16]
@@ -646,13 +665,14 @@ def test_normuon_sends_bf16_and_keeps_the_exact_weights_where_they_are_owned():
 # Parameter coverage
 
 def _check_coverage(model, hp):
-    muon, adam = tg.make_optimizers(model, hp)
+    muon, adam = tg.make_optimizers(model, hp, tg.backend_for(hp, torch.device("cpu")))
+    SPECS.update(model.param_table())
     owned = [p for g in muon.param_groups for p in g["params"]] + [p for g in adam.param_groups for p in g["params"]]
     model_ids = [id(p) for p in model.parameters()]
     assert sorted(id(p) for p in owned) == sorted(model_ids)  # every parameter exactly once
     assert len(set(map(id, owned))) == len(owned) == len(model_ids)
     for g in muon.param_groups:  # sqrt(max(1, rows / cols)) of each orthogonalized piece, x the lr multiplier
-        expected = [math.sqrt(max(1.0, p.shape[0] / p.pieces / p.shape[1])) * p.lr_mul for p in g["params"]]
+        expected = [math.sqrt(max(1.0, p.shape[0] / spec(p).pieces / p.shape[1])) * spec(p).lr_mul for p in g["params"]]
         if not g["lr_scale"].is_meta:
             assert g["lr_scale"][: len(expected)].tolist() == pytest.approx(expected)
     return muon, adam
@@ -663,26 +683,28 @@ def test_optimizers_cover_record_model_exactly_once():
     with torch.device("meta"):
         model = tg.build_model(hp, torch.device("meta"))
     muon, adam = _check_coverage(model, hp)
-    assert {p.label for g in muon.param_groups for p in g["params"]} == {"attn_qk", "attn_vo", "mlp"}  # gates: Adam
-    assert {p.label for g in adam.param_groups for p in g["params"]} == set(tg.ADAM_GROUPS)
-    mlp = [p for g in muon.param_groups for p in g["params"] if p.label == "mlp"]
+    assert {spec(p).label for g in muon.param_groups for p in g["params"]} == {"attn_qk", "attn_vo", "mlp"}  # gates: Adam
+    assert {spec(p).label for g in adam.param_groups for p in g["params"]} == set(tg.ADAM_GROUPS)
+    mlp = [p for g in muon.param_groups for p in g["params"] if spec(p).label == "mlp"]
     # 11 MLP fc + 11 MLP proj (lr_mul 2); 10 attention layers (one layer is attention-free) of [Q; K] and [V; O]
-    assert sorted(p.lr_mul for p in mlp) == [1.0] * 11 + [2.0] * 11
-    assert [p.pieces for g in muon.param_groups for p in g["params"] if p.label == "attn_qk"] == [6] * 10  # head pairs
-    assert [p.pieces for g in muon.param_groups for p in g["params"] if p.label == "attn_vo"] == [2] * 10
-    scalars = [p for g in adam.param_groups for p in g["params"] if p.label == "scalars"]
-    assert len(scalars) == 1 and (scalars[0].lr_mul, scalars[0].wd_mul) == (5.0, 0.0)
+    assert sorted(spec(p).lr_mul for p in mlp) == [1.0] * 11 + [2.0] * 11
+    assert [spec(p).pieces for g in muon.param_groups for p in g["params"] if spec(p).label == "attn_qk"] == [6] * 10  # head pairs
+    assert [spec(p).pieces for g in muon.param_groups for p in g["params"] if spec(p).label == "attn_vo"] == [2] * 10
+    scalars = [p for g in adam.param_groups for p in g["params"] if spec(p).label == "scalars"]
+    assert len(scalars) == 1 and (spec(scalars[0]).lr_mul, spec(scalars[0]).wd_mul) == (5.0, 0.0)
 
 
 def test_normuon_sends_bf16_on_the_gpu_path_only():
     """make_optimizers picks NorMuon's wire dtype from the backend the model was built with: bf16 for the GPU
     path (bf16 head), the parameters' own dtype on the CPU path (whose losses stay bit-identical)."""
     hp = tg.parse_args([])
+    gpu_backend = tg.backend_for(hp, torch.device("cuda"), fp8_hardware=True, attention=tg.TiledWindowAttention())
+    gpu_backend = gpu_backend._replace(compile_math=False)
+    cpu_backend = tg.backend_for(hp, torch.device("cpu"))
     with torch.device("meta"):
-        gpu = tg.GPT(hp, tg.backend_for(hp, torch.device("cuda"), fp8_hardware=True, attention=tg.TiledWindowAttention()))
-        cpu = tg.build_model(hp, torch.device("meta"))
-    assert tg.make_optimizers(gpu, hp, compile_math=False)[0].wire_dtype == torch.bfloat16
-    assert tg.make_optimizers(cpu, hp, compile_math=False)[0].wire_dtype is None
+        gpu, cpu = tg.GPT(hp, gpu_backend), tg.GPT(hp, cpu_backend)
+    assert tg.make_optimizers(gpu, hp, gpu_backend)[0].wire_dtype == torch.bfloat16
+    assert tg.make_optimizers(cpu, hp, cpu_backend)[0].wire_dtype is None
 
 
 # ----------------------------------------------------------------------------------------------

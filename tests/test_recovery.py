@@ -440,7 +440,7 @@ def test_a_console_that_is_gone_loses_only_its_copy_of_the_log(tmp_path, monkeyp
     os.close(read_end)  # writes to the pipe now fail (EPIPE)
     gone = os.fdopen(write_end, "w")
     monkeypatch.setattr(sys, "stdout", gone)
-    log = tg.RunLog(tmp_path / "run.txt", True)
+    log = tg.RunLog(tmp_path / "run.txt", True, tg.Hyperparameters())
     log.open()
     log("step:1/2 train_time:1ms step_avg:1.00ms")
     log("step:2/2 train_time:2ms step_avg:1.00ms")
@@ -551,7 +551,7 @@ def test_the_synthetic_corpus_lives_in_the_working_folder_not_under_data_path(tm
 
 
 def test_a_log_write_to_a_full_disk_names_the_log(tmp_path):
-    log = tg.RunLog(tmp_path / "run.txt", True)
+    log = tg.RunLog(tmp_path / "run.txt", True, tg.Hyperparameters())
     log.open()
     (tmp_path / "run.txt").unlink()
     (tmp_path / "run.txt").symlink_to("/dev/full")
@@ -566,5 +566,5 @@ def test_a_log_whose_header_cannot_be_written_is_removed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tg, "environment_report", full_disk)
     with pytest.raises(OSError, match="No space left on device") as info:
-        tg.RunLog(tmp_path / "run.txt", True).open()
+        tg.RunLog(tmp_path / "run.txt", True, tg.Hyperparameters()).open()
     assert info.value.filename == str(tmp_path / "run.txt") and not (tmp_path / "run.txt").exists()

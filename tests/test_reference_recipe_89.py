@@ -327,10 +327,11 @@ def test_normuon_step_matches_the_reference(kind):
     shape = {"qk": (2 * D, D), "vo": (2 * D, D), "mlp_fc": (4 * D, D), "mlp_proj": (4 * D, D)}[kind]
     label, pieces, lr_mul = {"qk": ("attn_qk", H, 1.0), "vo": ("attn_vo", 2, 1.0), "mlp_fc": ("mlp", 1, 1.0),
                              "mlp_proj": ("mlp", 1, 2.0)}[kind]
-    p = tg.tag(torch.nn.Parameter(torch.rand(shape, generator=g) - 0.5), label, lr_mul=lr_mul, pieces=pieces)
+    p = torch.nn.Parameter(torch.rand(shape, generator=g) - 0.5)
+    spec = tg.ParamSpec(label, "matrix", lr_mul=lr_mul, pieces=pieces)
     grad = torch.randn(shape, generator=g)
     initial = p.detach().clone()
-    muon = tg.NorMuon([p], hp.muon_lr, hp.muon_wd, 0.9, hp.muon_beta2, polar=tg.CPU_POLAR_EXPRESS)
+    muon = tg.NorMuon([(p, spec)], hp.muon_lr, hp.muon_wd, 0.9, hp.muon_beta2, polar=tg.CPU_POLAR_EXPRESS)
     lr_step = tg.Schedule(hp).lr_multiplier(100)
     muon.set_schedule(lr_step, 0.9)
     p.grad = grad.clone()

@@ -11,6 +11,7 @@ import pytest
 import tiktoken
 import torch
 
+import ngram_prior
 import train_gpt as tg
 from conftest import ROOT
 from test_training import VAL_LINE, run_script, tiny
@@ -172,7 +173,7 @@ def test_decoder_logits_equal_the_full_forwards_at_every_position(tmp_path, flag
         for param in model.parameters():
             param.normal_(0, 0.3)
     rng = np.random.default_rng(0)
-    prior = tg.NgramPrior(tg.kneser_ney(*tg.count_ngrams([rng.integers(0, 3000, 50_000)], hp.vocab_size, 3)), 0.5,
+    prior = ngram_prior.NgramPrior(ngram_prior.kneser_ney(*ngram_prior.count_ngrams([rng.integers(0, 3000, 50_000)], hp.vocab_size, 3)), 0.5,
                           model.lm_head.weight.size(0))
     windows = (1, 2)  # short and long window in blocks of 64: 64 and 128 keys (rows of a paired stream)
     model.rotary.follow_window(1 * hp.window_block_tokens)

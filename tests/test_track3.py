@@ -19,8 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+import track3
 import train_gpt as tg
-from test_optimizers import _free_port
+from test_optimizers import _free_port, _tagged, spec, table
 
 D = 8
 
@@ -29,8 +30,8 @@ def params():
     """An attention weight (4 blocks of D x D), an MLP weight, a wide matrix larger than MAX_DIM
     (split into blocks), a (3, 12) gate and a (1, 12) gate (a 1-D block)."""
     g = torch.Generator().manual_seed(1)
-    make = lambda shape, label: tg.tag(nn.Parameter(torch.randn(shape, generator=g) * 0.3), label,  # noqa: E731
-                                       pieces=4 if label == "attn" else 1)
+    make = lambda shape, label: _tagged(nn.Parameter(torch.randn(shape, generator=g) * 0.3), label,  # noqa: E731
+                                        pieces=4 if label == "attn" else 1)
     return [make((4 * D, D), "attn"), make((3 * D, D), "mlp"), make((12, 20), "mlp"), make((3, 12), "gate"),
             make((1, 12), "gate")]
 
@@ -58,8 +59,8 @@ def grad_late(step, index, shape):
 
 
 def make(name, ps):
-    return {"shampoo": lambda: tg.Shampoo(ps, **SHAMPOO), "soap": lambda: tg.SOAP(ps, **SOAP_HP),
-            "adamw": lambda: tg.AdamW(ps, **ADAMW_HP)}[name]()
+    return {"shampoo": lambda: track3.Shampoo(table(ps), **SHAMPOO), "soap": lambda: track3.SOAP(table(ps), **SOAP_HP),
+            "adamw": lambda: track3.AdamW(table(ps), **ADAMW_HP)}[name]()
 
 
 def run(opt, ps, steps, grad_fn):
@@ -82,11 +83,11 @@ def run(opt, ps, steps, grad_fn):
     ((4, 4, 4), 16, 1, (4, 16)),  # merging stops at max_dim
 ])
 def test_merge_dims(shape, max_dim, target, expected):
-    assert tg.merge_dims(shape, max_dim, target) == expected
+    assert track3.merge_dims(shape, max_dim, target) == expected
 
 
 def test_split_dims():
-    blocks = tg.split_dims((5, 3), 2)
+    blocks = track3.split_dims((5, 3), 2)
     assert len(blocks) == 6
     spans = sorted(((r.start, r.stop), (c.start, c.stop)) for r, c in blocks)
     assert spans == [((a, b), (c, d)) for a, b in ((0, 2), (2, 4), (4, 5)) for c, d in ((0, 2), (2, 3))]
@@ -116,30 +117,30 @@ def test_load_balancer_on_skewed_sizes():
     rng = np.random.default_rng(0)
     costs = list((rng.pareto(1.5, 200) + 1) * 10)  # heavy-tailed, as preconditioner sizes are
     for world in (2, 4, 8):
-        owner = tg.assign_blocks(costs, [1] * len(costs), world)
+        owner = track3.assign_blocks(costs, [1] * len(costs), world)
         loads = [sum(c for c, r in zip(costs, owner) if r == rank) for rank in range(world)]
         bound = max(sum(costs) / world, max(costs))  # no assignment can do better than this
         assert max(loads) <= 4 / 3 * bound, (world, max(loads) / bound)  # longest-first's guarantee
         assert min(loads) >= 0.75 * sum(costs) / world, (world, loads)
     # one huge block: it gets a rank of its own, the rest share the others
-    owner = tg.assign_blocks([1000, 1, 1, 1, 1, 1], [1] * 6, 3)
+    owner = track3.assign_blocks([1000, 1, 1, 1, 1, 1], [1] * 6, 3)
     assert owner.count(owner[0]) == 1
     # a capacity on elements is respected when it can be
-    owner = tg.assign_blocks([10, 9, 8, 1, 1, 1], [4, 4, 4, 1, 1, 1], 2, capacity=8)
+    owner = track3.assign_blocks([10, 9, 8, 1, 1, 1], [4, 4, 4, 1, 1, 1], 2, capacity=8)
     assert all(sum(n for n, r in zip([4, 4, 4, 1, 1, 1], owner) if r == rank) <= 8 for rank in range(2))
 
 
 def test_communication_never_exceeds_normuons_for_the_record_model(monkeypatch):
     hp = tg.parse_args([])
     with torch.device("meta"):
-        model = tg.GPT(hp, tg.backend_for(hp, torch.device("cpu")))
+        model = tg.GPT(hp, backend := tg.backend_for(hp, torch.device("cpu")))
     matrix_params, _ = tg.split_params_for_optimizers(model)
     for world in (2, 4, 8):
-        monkeypatch.setattr(tg, "world_info", lambda: (0, world))
+        monkeypatch.setattr(track3, "world_info", lambda: (0, world))
         normuon = sum(-(-len(g) // world) * world * g[0].numel() for g in tg.stacked_groups(matrix_params, world))
         for name in ("shampoo", "soap", "adamw"):
             hp_name = dict(hp.__dict__, matrix_optimizer=name)
-            opt = tg.make_optimizers(model, tg.Hyperparameters(**hp_name))[0]
+            opt = tg.make_optimizers(model, track3.Hyperparameters(**hp_name), backend)[0]
             assert world * opt.segment <= normuon, (name, world, world * opt.segment / normuon)
 
 
@@ -225,8 +226,8 @@ def square_params():
     precisions may pick different bases of a repeated eigenspace (Adam is not rotation invariant):
     square blocks with full-rank random gradients (non-square blocks and vectors have null spaces)."""
     g = torch.Generator().manual_seed(2)
-    make_p = lambda shape, label: tg.tag(nn.Parameter(torch.randn(shape, generator=g) * 0.3), label,  # noqa: E731
-                                         pieces=4 if label == "attn" else 1)
+    make_p = lambda shape, label: _tagged(nn.Parameter(torch.randn(shape, generator=g) * 0.3), label,  # noqa: E731
+                                          pieces=4 if label == "attn" else 1)
     return [make_p((4 * D, D), "attn"), make_p((2 * D, 2 * D), "mlp"), make_p((D, D), "mlp")]
 
 
@@ -234,7 +235,7 @@ def square_params():
                                              ("adamw", ADAMW_HP, params)], ids=["shampoo", "soap", "adamw"])
 def test_update_matches_float64_reference(kind, hp, factory):
     ps = factory()
-    opt = {"shampoo": tg.Shampoo, "soap": tg.SOAP, "adamw": tg.AdamW}[kind](ps, **hp)
+    opt = {"shampoo": track3.Shampoo, "soap": track3.SOAP, "adamw": track3.AdamW}[kind](table(ps), **hp)
     ref = RefBlockwise(opt, ps, kind, hp)
     for step in range(STEPS):
         grads = [grad_late(step, i, p.shape) for i, p in enumerate(ps)]
@@ -250,13 +251,13 @@ def test_update_matches_float64_reference(kind, hp, factory):
             # random spectra have close pairs). A missed refresh, a wrong exponent, no grafting or no bias
             # correction move some weight by >= 0.1 x lr.
             tolerance = (1e-3 if kind == "soap" else 2e-4) * hp["lr"]
-            assert err <= tolerance, (kind, step, p.label, tuple(p.shape), err / hp["lr"])
+            assert err <= tolerance, (kind, step, spec(p).label, tuple(p.shape), err / hp["lr"])
 
 
 def low_rank_params():
     """A wide and a tall non-square block and a vector (a 1-D block)."""
     g = torch.Generator().manual_seed(3)
-    make_p = lambda shape, label: tg.tag(nn.Parameter(torch.randn(shape, generator=g) * 0.3), label)  # noqa: E731
+    make_p = lambda shape, label: _tagged(nn.Parameter(torch.randn(shape, generator=g) * 0.3), label)  # noqa: E731
     return [make_p((D, 3 * D), "mlp"), make_p((3 * D, D), "mlp"), make_p((1, 2 * D), "gate")]
 
 
@@ -284,7 +285,7 @@ def test_soap_matches_float64_reference_on_non_square_and_1d_blocks_with_its_def
     on it (the gradients are given, and decay is a scalar)."""
     ps = low_rank_params()
     hp = dict(SOAP_HP, eps=1e-8, max_dim=64)
-    opt = tg.SOAP(ps, **hp)
+    opt = track3.SOAP(table(ps), **hp)
     assert sorted(b.shape for b in opt.blocks) == [(D, 3 * D), (2 * D,), (3 * D, D)]
     ref = RefBlockwise(opt, ps, "soap", hp)
     rows, cols, vector = (b.double() for b in low_rank_bases())
@@ -311,7 +312,7 @@ def test_soap_first_step_only_builds_the_basis():
     in the basis of that gradient (which the factors took after it was used). A block whose gradient is
     still zero has no basis yet."""
     ps = square_params()
-    opt = tg.SOAP(ps, **dict(SOAP_HP, max_dim=D))
+    opt = track3.SOAP(table(ps), **dict(SOAP_HP, max_dim=D))
     late = {i for i, b in enumerate(opt.blocks) if b.param == 1}
 
     def moved():
@@ -333,8 +334,8 @@ def test_soap_first_step_only_builds_the_basis():
 def test_shampoo_uses_the_roots_of_the_refresh_steps_only(monkeypatch):
     """Between refreshes the inverse roots are reused: eigendecompositions happen at steps 1, 4, 7."""
     calls = []
-    real = tg.inverse_root
-    monkeypatch.setattr(tg, "inverse_root", lambda *a: calls.append(1) or real(*a))
+    real = track3.inverse_root
+    monkeypatch.setattr(track3, "inverse_root", lambda *a: calls.append(1) or real(*a))
     ps = params()
     opt = make("shampoo", ps)
     roots_per_step = sum(len(tuple(b.index)) for b in opt.blocks)  # one per side of every block
@@ -358,18 +359,18 @@ def quadratic(seed=0, size=24, condition=1e3):
 def optimize(kind, lr, steps=200, identity=False, monkeypatch=None):
     hl, hr, target = quadratic()
     hl, hr = hl / hl.norm(), hr / hr.norm()
-    p = tg.tag(nn.Parameter(torch.zeros(24, 24)), "mlp")
+    p = _tagged(nn.Parameter(torch.zeros(24, 24)), "mlp")
     if kind == "shampoo":
-        opt = tg.Shampoo([p], **dict(SHAMPOO, lr=lr, weight_decay=0.0, max_dim=64, precondition_frequency=5, eps=1e-12))
+        opt = track3.Shampoo(table([p]), **dict(SHAMPOO, lr=lr, weight_decay=0.0, max_dim=64, precondition_frequency=5, eps=1e-12))
     elif kind == "soap":
-        opt = tg.SOAP([p], **dict(SOAP_HP, lr=lr, weight_decay=0.0, max_dim=64, precondition_frequency=10, eps=1e-8))
+        opt = track3.SOAP(table([p]), **dict(SOAP_HP, lr=lr, weight_decay=0.0, max_dim=64, precondition_frequency=10, eps=1e-8))
     else:
-        opt = tg.AdamW([p], **dict(ADAMW_HP, lr=lr, weight_decay=0.0))
+        opt = track3.AdamW(table([p]), **dict(ADAMW_HP, lr=lr, weight_decay=0.0))
     if identity and kind == "shampoo":
-        monkeypatch.setattr(tg, "inverse_root", lambda matrix, root, eps: torch.eye(matrix.shape[0]))
+        monkeypatch.setattr(track3, "inverse_root", lambda matrix, root, eps: torch.eye(matrix.shape[0]))
     if identity and kind == "soap":  # the basis stays the identity: SOAP becomes Adam with SOAP's betas
-        monkeypatch.setattr(tg, "symmetric_eigh", lambda matrix: (torch.ones(matrix.shape[0]), torch.eye(matrix.shape[0])))
-        monkeypatch.setattr(tg.SOAP, "_turn_basis", lambda self, state, factor, d: None)
+        monkeypatch.setattr(track3, "symmetric_eigh", lambda matrix: (torch.ones(matrix.shape[0]), torch.eye(matrix.shape[0])))
+        monkeypatch.setattr(track3.SOAP, "_turn_basis", lambda self, state, factor, d: None)
     loss = None
     for _ in range(steps):
         diff = p.detach().double() - target
@@ -485,7 +486,7 @@ def test_reference_comparison_has_power(kind):
     """Positive control: refreshing the preconditioner less often than the reference is caught."""
     ps = params() if kind == "shampoo" else square_params()
     hp = SHAMPOO if kind == "shampoo" else dict(SOAP_HP, max_dim=D)
-    opt = {"shampoo": tg.Shampoo, "soap": tg.SOAP}[kind](ps, **dict(hp, precondition_frequency=100))
+    opt = {"shampoo": track3.Shampoo, "soap": track3.SOAP}[kind](table(ps), **dict(hp, precondition_frequency=100))
     ref = RefBlockwise(opt, ps, kind, hp)
     worst = 0.0
     for step in range(STEPS):

@@ -26,13 +26,14 @@ import train_gpt as tg  # noqa: E402
 from sample import open_checkpoint  # noqa: E402
 
 
-def gradient(model, pieces, windows, mtp, prior=None):
-    """(summed loss, flat gradient) of one micro-step run as `pieces` (with the checkpoint's prior)."""
+def gradient(model, pieces, windows, mtp):
+    """(summed loss, flat gradient) of one micro-step run as `pieces` (the model's loss adds the
+    checkpoint's prior, if any)."""
     model.zero_grad()
     loss = 0.0
     for piece in pieces:
         piece_loss = model(piece.inputs, piece.targets, piece.cu_seqlens, windows, piece.bigram_ids, mtp,
-                           piece.positions, piece.loss_mask, prior)
+                           piece.positions, piece.loss_mask)
         piece_loss.backward()
         loss += piece_loss.item()
     return loss, torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -66,7 +67,7 @@ def main(argv=None):
     parser.add_argument("--micro_batch_tokens", type=int, nargs="+", required=True, help="caps to compare")
     parser.add_argument("--micro_steps", type=int, default=8, help="micro-steps to average over (default: 8)")
     args = parser.parse_args(argv)
-    snap, hp, model, prior = open_checkpoint(args.checkpoint, "cpu")
+    snap, hp, model, _ = open_checkpoint(args.checkpoint, "cpu")
     model.train()
     step, rows_bigram = snap["step"], hp.bigram_vocab_size
     plan = tg.Schedule(hp).at(step)
@@ -78,7 +79,7 @@ def main(argv=None):
         batch = loader.next_batch(tokens, plan.max_seq_len)
         window = np.append(batch.inputs.numpy(), batch.targets[-1].item())
         lengths = np.diff(np.unique(batch.cu_seqlens.numpy()))
-        loss, g = gradient(model, [batch], windows, mtp, prior)
+        loss, g = gradient(model, [batch], windows, mtp)
         if previous is not None:
             rows.setdefault("consecutive micro-steps (batch noise)", []).append(
                 ((g - previous).norm() / g.norm()).item())
@@ -87,8 +88,8 @@ def main(argv=None):
             pieces = pieces_of(window, lengths, cap, rows_bigram, plan.max_seq_len)
             for name, closed in ((f"cap {cap}: the trainer's pieces", False), (f"cap {cap}: key shift closed", True)):
                 with key_shift_closed(model) if closed else contextlib.nullcontext():
-                    base_loss, base_g = gradient(model, [batch], windows, mtp, prior) if closed else (loss, g)
-                    cut_loss, cut_g = gradient(model, pieces, windows, mtp, prior)
+                    base_loss, base_g = gradient(model, [batch], windows, mtp) if closed else (loss, g)
+                    cut_loss, cut_g = gradient(model, pieces, windows, mtp)
                 rows.setdefault(name, []).append(((cut_g - base_g).norm() / base_g.norm()).item())
                 rows.setdefault(name + " (loss)", []).append(abs(cut_loss - base_loss) / base_loss)
     loader.close()

@@ -36,8 +36,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "data")]
 import numpy as np  # noqa: E402
 
 from shards import CliParser, exit_with_error  # noqa: E402
-from train_gpt import (GPT2_VOCAB_SIZE, MAX_NGRAM_ORDER, NGRAM_TOKEN_BITS, DataError, count_ngrams,  # noqa: E402
-                       kneser_ney, ngram_context_rows, read_shard, read_validation_tokens)
+from ngram_prior import NGRAM_TOKEN_BITS, count_ngrams, kneser_ney, ngram_context_rows  # noqa: E402
+from train_gpt import (GPT2_VOCAB_SIZE, MAX_NGRAM_ORDER, DataError, read_shard,  # noqa: E402
+                       read_validation_tokens)
 
 PROG = "ngram_baseline.py"
 DISCOUNT = 0.75  # the bigram model's absolute discount (the trainer's former --bigram_prior used it)

@@ -31,11 +31,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt import (ATTN_BLOCK, BOS_ID, CPU_POLAR_EXPRESS, GPT, GPU_POLAR_EXPRESS, PIECE_CONTEXT_AFTER,  # noqa: E402
-                       Batch, ConfigError, DataError, NgramPrior, NorMuon, Schedule, backend_for, bigram_hash, build_arg_parser,
-                       check_batch_splits, context_piece, describe_pieces, grad_accum_steps, hyperparameters_from, make_optimizers,
-                       micro_step_pieces, model_inputs, padded_vocab, piece_inputs, process_place, read_shard,
-                       receptive_field, SHARD_HEADER_INTS, tokens_per_rank, validation_piece_length)
+from ngram_prior import NgramPrior  # noqa: E402
+from train_gpt import (ATTN_BLOCK, BOS_ID, GPT, GPU_POLAR_EXPRESS, PIECE_CONTEXT_AFTER,  # noqa: E402
+                       SHARD_HEADER_INTS, Batch, ConfigError, DataError, Schedule, backend_for, bigram_hash,
+                       check_batch_splits, context_piece, describe_pieces, grad_accum_steps,
+                       hyperparameters_from, make_optimizers, micro_step_pieces, model_inputs, padded_vocab,
+                       parser_for, piece_inputs, process_place, read_shard, receptive_field,
+                       tokens_per_rank, validation_piece_length)
 
 PROG = "plan_memory.py"
 
@@ -137,13 +139,20 @@ def plan_validation_batch(hp, tokens, length):
     return context_piece(window, [tokens], 0, context, length, 0, length, torch.device("cpu"), bigram_ids)
 
 
-def planned_model(hp, gpu_path, accum, attention=None):
-    """The run's model (made under a FakeTensorMode: no memory) with the trainer's backend: on a GPU with FP8 tensor
-    cores (the FP8 head unless --fp8 off), `attention` standing in for the fused kernel (default: its footprint,
-    PlannedAttention), or, for --device cpu, the CPU path."""
+def planned_backend(hp, gpu_path, accum, attention=None):
+    """The trainer's Backend for a traced run: on a GPU with FP8 tensor cores (the FP8 head unless --fp8 off),
+    `attention` standing in for the fused kernel (default: its footprint, PlannedAttention), or, for --device cpu,
+    the CPU path; the optimizers' math uncompiled and Polar Express in torch (fake tensors run no kernels)."""
     if not gpu_path:
-        return GPT(hp, backend_for(hp, torch.device("cpu")))
-    return GPT(hp, backend_for(hp, torch.device("cuda"), accum, fp8_hardware=True, attention=attention or PlannedAttention()))
+        return backend_for(hp, torch.device("cpu"))
+    backend = backend_for(hp, torch.device("cuda"), accum, fp8_hardware=True, attention=attention or PlannedAttention())
+    return backend._replace(polar=dict(GPU_POLAR_EXPRESS, use_triton=False), compile_math=False)
+
+
+def planned_model(hp, gpu_path, accum, attention=None):
+    """(the run's model, made under a FakeTensorMode: no memory, with planned_backend's Backend, that Backend)."""
+    backend = planned_backend(hp, gpu_path, accum, attention)
+    return GPT(hp, backend), backend
 
 
 @contextlib.contextmanager
@@ -179,14 +188,12 @@ class MemoryPlan:
         self.fake, self.live = FakeTensorMode(), LiveMemory()
         self._pieces, self._validations = {}, {}
         with warnings.catch_warnings(), fake_world(world_size), self.fake, self.live:
-            self.model = planned_model(hp, gpu_path, self.accum)
+            self.model, backend = planned_model(hp, gpu_path, self.accum)
             warnings.simplefilter("ignore")  # deprecation notices of collectives that do nothing here
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 self.live.track(t)
             self.static = {"parameters": self.live.live}
-            self.optimizers = make_optimizers(self.model, hp)
-            if isinstance(self.optimizers[0], NorMuon):  # Triton cannot run on fake tensors; same buffers
-                self.optimizers[0].polar = dict(GPU_POLAR_EXPRESS, use_triton=False) if gpu_path else CPU_POLAR_EXPRESS
+            self.optimizers = make_optimizers(self.model, hp, backend)
             self._run_piece(PLAN_PIECE_STEP)
             self.static["gradients"] = sum(self._storage_bytes(p.grad) for p in self.model.parameters())
             self.live.reset_peak()
@@ -343,7 +350,7 @@ def parse(argv):
     if flag:
         raise ConfigError(f"{flag} is not a flag of this tool: the number of processes comes from the environment, as "
                           f"torchrun sets it; run WORLD_SIZE=N python tools/plan_memory.py ...")
-    parser = build_arg_parser(prog=PROG)
+    parser = parser_for(argv, prog=PROG)
     parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("--gpu_memory_gb", type=float, default=80.0, metavar="FLOAT",
                         help="memory of one GPU in GiB: the plan names the largest --micro_batch_tokens whose "

@@ -249,7 +249,7 @@ def count_prior(path, snap, hp, train_files=None, force=False):
     if not state.get("fingerprints"):
         warn(f"{path} records no checksums of its training shards (its script predates them): the prior is counted "
              f"from the shards as they are now, unchecked")
-    return tg.count_ngram_prior(hp, files)
+    return tg.load_companion("ngram_prior.py").count_ngram_prior(hp, files)
 
 
 def sampling_device(choice, hp):
@@ -267,17 +267,16 @@ def open_checkpoint(path, device_choice, train_files=None, force=False):
     train_gpt.load_checkpoint checks it (header, checksum, keys) and its model in eval mode, fp32, on the device
     of the --device choice (sampling_device),
     with the CPU path's attention (any device), the rotary state (YaRN) of its step and, under --ngram_prior,
-    the prior of its training shards (count_prior, with train_files and force). The checksum of the whole file
-    and the prior's counting run in threads while the model is built (on two cores that halves the start);
-    nothing read is used before the checksum holds."""
+    the prior of its training shards (count_prior, with train_files and force), which its CPU loss adds. The
+    checksum of the whole file runs in a thread meanwhile; nothing read is used before it holds."""
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         checksum = pool.submit(file_checksum, path)
         try:
             snap = read_model_state(path)
             hp = checkpoint_hyperparameters(path, snap)
             device = sampling_device(device_choice, hp)
-            prior = pool.submit(count_prior, path, snap, hp, train_files, force) if hp.ngram_prior else None
-            model = tg.GPT(hp, tg.backend_for(hp, torch.device("cpu")))
+            prior = count_prior(path, snap, hp, train_files, force) if hp.ngram_prior else None
+            model = tg.GPT(hp, tg.backend_for(hp, torch.device("cpu"), prior=prior))  # the loss adds the prior
         except Exception:
             check_checksum(path, *checksum.result())  # a damaged file is named as one, whatever broke its reading
             raise
@@ -288,7 +287,7 @@ def open_checkpoint(path, device_choice, train_files=None, force=False):
             raise tg.DataError(f"{path}: its model state does not fit the model its settings describe "
                                f"({str(e).splitlines()[0][:120]}); was it written by another version of train_gpt.py?")
         model.follow_window(tg.Schedule(hp).at(snap["step"]).windows)
-    return snap, hp, model.to(device).eval(), prior.result() if prior else None
+    return snap, hp, model.to(device).eval(), prior
 
 
 def prompt_ids(enc, prompt, max_seq_len):
@@ -467,7 +466,7 @@ def evaluate(args, snap, hp, model, prior, device):
               file=sys.stderr)
     tokens = tg.read_validation_tokens(args.eval, count + 1, hp.vocab_size)
     windows = tg.Schedule(hp).final_windows
-    losses = [model(b.inputs, b.targets, b.cu_seqlens, windows, b.bigram_ids, prior=prior)
+    losses = [model(b.inputs, b.targets, b.cu_seqlens, windows, b.bigram_ids)
               for b in tg.validation_batches(tokens, count, chunk, 0, 1, 1, device, hp.bigram_vocab_size)]
     loss = torch.stack(losses).mean().item()
     print(f"val_loss:{loss:.4f} over {count:,} tokens of {args.eval} ({chunk:,} per forward, windows "

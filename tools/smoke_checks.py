@@ -292,11 +292,11 @@ def optimizer_compiles(argv):
 
     with warnings.catch_warnings(), FakeTensorMode():
         warnings.simplefilter("ignore")
-        model = plan_memory.planned_model(hp, True, tg.grad_accum_steps(hp, 1))
-        matrix_opt, adam = tg.make_optimizers(model, hp, compile_math=True)  # the compiled path's arguments
+        model, backend = plan_memory.planned_model(hp, True, tg.grad_accum_steps(hp, 1))
+        # the compiled path's arguments (Polar Express in torch: Triton cannot run on fake tensors)
+        matrix_opt, adam = tg.make_optimizers(model, hp, backend._replace(compile_math=True))
         adam.math = recording(tg.adam_update_, adam_keys)
         if isinstance(matrix_opt, tg.NorMuon):
-            matrix_opt.polar = dict(tg.GPU_POLAR_EXPRESS, use_triton=False)  # Triton cannot run on fake tensors
             matrix_opt.normalize = recording(tg.normalize_variance, normuon_keys, "normalization")
             matrix_opt.apply_update = recording(tg.cautious_update, normuon_keys, "cautious update")
         plan = tg.Schedule(hp).at(1)

@@ -353,13 +353,10 @@ class Ledger(LiveMemory):
 def trace_setup(hp, world_size, ledger):
     """(model, optimizers, accum) of the run on fake tensors, rank 0 of world_size, GPU paths."""
     accum = tg.grad_accum_steps(hp, world_size)
-    model = planned_model(hp, True, accum, attention=LedgerAttention())
+    model, backend = planned_model(hp, True, accum, attention=LedgerAttention())
     for t in [*model.parameters(), *model.buffers()]:
         ledger.track(t)
-    optimizers = tg.make_optimizers(model, hp)
-    if isinstance(optimizers[0], tg.NorMuon):  # Triton cannot run on fake tensors
-        optimizers[0].polar = dict(tg.GPU_POLAR_EXPRESS, use_triton=False)
-    return model, optimizers, accum
+    return model, tg.make_optimizers(model, hp, backend), accum
 
 
 def trace_piece(hp, model, fake, ledger, tokens, plan):
@@ -733,7 +730,7 @@ def parse(argv):
         parser.error(f"--world_size must be at least 1, got {args.world_size}")
     if args.reference is not None and not os.path.isfile(args.reference):
         parser.error(f"--reference {args.reference}: no such file (a modded-nanogpt record log)")
-    trainer = tg.build_arg_parser(prog=parser.prog)
+    trainer = tg.parser_for(rest, prog=parser.prog)
     try:
         hp = tg.hyperparameters_from(trainer.parse_args(rest))
         tg.check_batch_splits(hp, args.world_size, tg.grad_accum_steps(hp, args.world_size))
