@@ -22,10 +22,12 @@ class Hyperparameters(tg.Hyperparameters):
     shampoo_betas: tuple = hp_field((0.9, 0.95), "Shampoo momentum and factor decay")
     shampoo_wd: float = hp_field(0.2, "Shampoo decoupled weight decay")
     shampoo_eps: float = hp_field(1e-12, "Shampoo epsilon added to the factors' eigenvalues")
-    shampoo_precondition_frequency: int = hp_field(5, "Shampoo: steps between inverse-root refreshes")
+    shampoo_precondition_frequency: int = hp_field(5, "Shampoo: steps between inverse-root "
+                                                      "refreshes")
     shampoo_graft_beta2: float = hp_field(0.95, "Shampoo: second-moment decay of the Adam grafting")
     shampoo_graft_eps: float = hp_field(1e-10, "Shampoo: epsilon of the Adam grafting")
-    factor_max_dim: int = hp_field(8192, "Shampoo and SOAP: largest factor dimension (blocks are cut to it)")
+    factor_max_dim: int = hp_field(8192, "Shampoo and SOAP: largest factor dimension (blocks are "
+                                         "cut to it)")
     factor_dtype: str = hp_field("fp32", "Shampoo and SOAP: dtype of the stored factors and roots/bases: fp32, bf16")
     factor_block_cost: str = hp_field("bytes", "Shampoo and SOAP: block cost for the rank assignment: bytes, poly")
     soap_lr: float = hp_field(0.003, "SOAP learning rate")
@@ -51,9 +53,9 @@ VALUE_RULES = [
 CHOICES = {"factor_dtype": ("fp32", "bf16"), "factor_block_cost": ("bytes", "poly")}
 
 
-# Each parameter is cut into blocks (the merged attention weight into Q, K, V and O first); blocks go
-# to ranks by a greedy heaviest-first assignment over a cost model; one reduce-scatter brings each
-# rank the gradients of its blocks, one all-gather brings everyone the updated blocks.
+# Each parameter is cut into blocks (the merged attention weight into Q, K, V and O first); blocks
+# go to ranks by a greedy heaviest-first assignment over a cost model; one reduce-scatter brings
+# each rank the gradients of its blocks, one all-gather brings everyone the updated blocks.
 
 
 def merge_dims(shape, max_dim, target=1):
@@ -81,8 +83,9 @@ def split_dims(shape, max_dim):
 
 
 def block_cost(shape, model):
-    """Relative work and memory of a block's preconditioner. 'bytes': its factor matrices in fp32, each
-    side aligned to 8; 'poly': eigendecompositions (d^3 per side) plus applying them (numel x sum d)."""
+    """Relative work and memory of a block's preconditioner. 'bytes': its factor matrices in fp32,
+    each side aligned to 8; 'poly': eigendecompositions (d^3 per side) plus applying them (numel x
+    sum d)."""
     if model == "bytes":
         return sum(4 * (-(-d // 8) * 8) ** 2 for d in shape)
     return sum(d ** 3 for d in shape) + math.prod(shape) * sum(shape)
@@ -90,7 +93,8 @@ def block_cost(shape, model):
 
 def assign_blocks(costs, numels, world_size, capacity=None):
     """Greedy, heaviest block first, to the rank with the least cost so far whose gradient elements
-    stay within `capacity` (else to the rank with the fewest elements). Returns each block's rank."""
+    stay within `capacity` (else to the rank with the fewest elements). Returns each block's
+    rank."""
     owner = [0] * len(costs)
     heap = [(0.0, rank) for rank in range(world_size)]
     elements = [0] * world_size
@@ -113,7 +117,8 @@ def assign_blocks(costs, numels, world_size, capacity=None):
 
 
 def symmetric_eigh(matrix):
-    """(eigenvalues, eigenvectors) of a symmetric matrix in fp32, retried in fp64 when fp32 fails to converge."""
+    """(eigenvalues, eigenvectors) of a symmetric matrix in fp32, retried in fp64 when fp32 fails to
+    converge."""
     try:
         return torch.linalg.eigh(matrix.float())
     except torch.linalg.LinAlgError:
@@ -181,7 +186,8 @@ class BlockOptimizer(ScheduledOptimizer):
         self.state = {}  # block index -> its tensors (own blocks only)
 
     def _pack(self, get, rank_blocks, dtype):
-        """The blocks' values (get(block) -> tensor) laid out rank after rank, padded to equal segments."""
+        """The blocks' values (get(block) -> tensor) laid out rank after rank, padded to equal
+        segments."""
         flat = torch.zeros(len(rank_blocks) * self.segment, dtype=dtype, device=self.params[0].device)
         for rank, mine in enumerate(rank_blocks):
             offset = rank * self.segment
@@ -226,7 +232,8 @@ class BlockOptimizer(ScheduledOptimizer):
                 offset += block.numel
 
     def direction(self, i, grad):
-        """The block's update direction from its averaged gradient (None: leave the block as it is)."""
+        """The block's update direction from its averaged gradient (None: leave the block as it
+        is)."""
         raise NotImplementedError
 
     def _new_state(self, grad):
@@ -239,7 +246,8 @@ class BlockOptimizer(ScheduledOptimizer):
         return self.state[i]
 
     def state_dict(self):
-        """Every block's state (all ranks' gathered, keyed by block index: the same at any world size)."""
+        """Every block's state (all ranks' gathered, keyed by block index: the same at any world
+        size)."""
         state = {i: {k: v.cpu().clone() if torch.is_tensor(v) else v for k, v in s.items()}
                  for i, s in self.state.items()}
         if self.world_size > 1:
@@ -268,9 +276,9 @@ class BlockOptimizer(ScheduledOptimizer):
 
 class FactoredOptimizer(BlockOptimizer):
     """Shampoo's and SOAP's common part: per block, the factors L = EMA(G Gᵀ) and R = EMA(Gᵀ G) (one
-    factor for a 1-D block), each with a matrix derived from it (`derived`: inverse root or eigenbasis),
-    stored in `state_dtype` ("fp32" or "bf16"), plus momentum and an Adam-style second moment (`second`);
-    subclasses name the last two state entries."""
+    factor for a 1-D block), each with a matrix derived from it (`derived`: inverse root or
+    eigenbasis), stored in `state_dtype` ("fp32" or "bf16"), plus momentum and an Adam-style second
+    moment (`second`); subclasses name the last two state entries."""
 
     def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency,
                  state_dtype="fp32", cost="bytes"):
@@ -286,19 +294,21 @@ class FactoredOptimizer(BlockOptimizer):
         return state
 
     def _accumulate_factor(self, state, grad, d, beta2):
-        """factor_d <- beta2 factor_d + (1 - beta2) (G Gᵀ or Gᵀ G), computed in fp32; returns the fp32 factor."""
+        """factor_d <- beta2 factor_d + (1 - beta2) (G Gᵀ or Gᵀ G), computed in fp32; returns the
+        fp32 factor."""
         factor = ema_(state[f"factor{d}"].float(), gram(grad, d), beta2)
         state[f"factor{d}"].copy_(factor)
         return factor
 
 
 class Shampoo(FactoredOptimizer):
-    """Shampoo with Adam grafting: factors L = EMA(G Gᵀ), R = EMA(Gᵀ G) (bias-corrected), inverse roots
-    L^(-1/4), R^(-1/4) refreshed every `precondition_frequency` steps f, momentum on the gradient, the
-    preconditioned direction rescaled per block to the norm of Adam's direction, then decoupled weight
-    decay. A 1-D block has one factor and exponent -1/2. The refreshes fall on steps 1, 1 + f, 1 + 2f, ...,
-    so there is a root from the first step; Meta's Distributed Shampoo computes its roots on the
-    multiples of f (f, 2f, ...) after its start_preconditioning_step: the same interval, another phase."""
+    """Shampoo with Adam grafting: factors L = EMA(G Gᵀ), R = EMA(Gᵀ G) (bias-corrected), inverse
+    roots L^(-1/4), R^(-1/4) refreshed every `precondition_frequency` steps f, momentum on the
+    gradient, the preconditioned direction rescaled per block to the norm of Adam's direction, then
+    decoupled weight decay. A 1-D block has one factor and exponent -1/2. The refreshes fall on
+    steps 1, 1 + f, 1 + 2f, ..., so there is a root from the first step; Meta's Distributed Shampoo
+    computes its roots on the multiples of f (f, 2f, ...) after its start_preconditioning_step: the
+    same interval, another phase."""
 
     name, derived, second = "shampoo", "root", "graft"
 
@@ -326,20 +336,21 @@ class Shampoo(FactoredOptimizer):
 
 class SOAP(FactoredOptimizer):
     """SOAP: Adam run in the eigenbasis of Shampoo's factors, with decoupled weight decay. As in the
-    published SOAP, a gradient enters the factors only after it has been used, so the basis never holds
-    the gradient it rotates: a block's first step only builds its basis (an eigendecomposition, no
-    update). After every `precondition_frequency` Adam steps the basis takes one power-iteration step
-    and a QR decomposition from where it was, its directions (and the second moment's entries with
-    them) ordered by their estimated eigenvalues: a slowly turning basis whose second moment still fits
-    it. Momentum lives in the parameter's basis, the second moment in the rotated one."""
+    published SOAP, a gradient enters the factors only after it has been used, so the basis never
+    holds the gradient it rotates: a block's first step only builds its basis (an
+    eigendecomposition, no update). After every `precondition_frequency` Adam steps the basis takes
+    one power-iteration step and a QR decomposition from where it was, its directions (and the
+    second moment's entries with them) ordered by their estimated eigenvalues: a slowly turning
+    basis whose second moment still fits it. Momentum lives in the parameter's basis, the second
+    moment in the rotated one."""
 
     name, derived, second = "soap", "basis", "second"
 
     def _new_state(self, grad):
-        # adam_steps: a Python int (reading it never waits for a GPU); -1 while the block has no basis.
-        # A block behind a zero-initialized weight (Q, K, V behind O, the MLP's input behind its output)
-        # has an exactly zero first gradient; a basis built from a zero factor would be arbitrary, and
-        # power iterations every few steps would take most of the run to repair it.
+        # adam_steps: a Python int (reading it never waits for a GPU); -1 while the block has no
+        # basis. A block behind a zero-initialized weight (Q, K, V behind O, the MLP's input behind
+        # its output) has an exactly zero first gradient; a basis built from a zero factor would be
+        # arbitrary, and power iterations every few steps would take most of the run to repair it.
         return dict(super()._new_state(grad), adam_steps=-1)
 
     def direction(self, i, grad):
@@ -360,7 +371,8 @@ class SOAP(FactoredOptimizer):
         return update
 
     def _turn_basis(self, state, factor, d):
-        """basis_d <- QR(factor_d @ basis_d) with the directions sorted by estimated eigenvalue, largest first."""
+        """basis_d <- QR(factor_d @ basis_d) with the directions sorted by estimated eigenvalue,
+        largest first."""
         basis = state[f"basis{d}"].float()
         order = torch.argsort((basis * (factor @ basis)).sum(0), descending=True)  # diag(Bᵀ F B)
         state["second"].copy_(state["second"].index_select(d, order))
@@ -381,7 +393,8 @@ class SOAP(FactoredOptimizer):
 
 
 class AdamW(BlockOptimizer):
-    """AdamW (bias-corrected, decoupled weight decay), the track's baseline; blocks are whole pieces."""
+    """AdamW (bias-corrected, decoupled weight decay), the track's baseline; blocks are whole
+    pieces."""
 
     name = "adamw"
 
@@ -417,10 +430,12 @@ def check_hyperparameters(hp):
     """The track-3 fields' rules (train_gpt.check_hyperparameters applies them)."""
     for name, choices in CHOICES.items():
         if getattr(hp, name) not in choices:
-            raise tg.ConfigError(f"--{name} must be one of {', '.join(choices)}, got {getattr(hp, name)!r}")
+            raise tg.ConfigError(f"--{name} must be one of {', '.join(choices)}, got "
+                                 f"{getattr(hp, name)!r}")
 
 
 def make_optimizer(name, params, hp):
-    """The --matrix_optimizer `name` over `params` ((parameter, ParamSpec) pairs), from hp's flags."""
+    """The --matrix_optimizer `name` over `params` ((parameter, ParamSpec) pairs), from hp's
+    flags."""
     cls, flags = OPTIMIZERS[name]
     return cls(params, **{argument: getattr(hp, flag) for argument, flag in flags.items()})
