@@ -39,10 +39,11 @@ def unique_keys(keys, largest):
     position_bits = max(keys.size - 1, 1).bit_length()
     if int(largest).bit_length() + position_bits > 64:
         return np.unique(keys, return_inverse=True, return_counts=True)
-    ordered = np.sort((keys.astype(np.uint64) << np.uint64(position_bits)) | np.arange(keys.size, dtype=np.uint64))
+    ordered = np.sort((keys.astype(np.uint64) << np.uint64(position_bits))
+                      | np.arange(keys.size, dtype=np.uint64))
     sorted_keys = (ordered >> np.uint64(position_bits)).astype(np.int64)
-    first = np.flatnonzero(np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])) if keys.size else \
-        np.zeros(0, np.int64)
+    first = np.flatnonzero(np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])) \
+        if keys.size else np.zeros(0, np.int64)
     inverse = np.empty(keys.size, dtype=np.int64)
     inverse[(ordered & np.uint64((1 << position_bits) - 1)).astype(np.int64)] = np.repeat(
         np.arange(first.size), np.diff(np.append(first, keys.size)))
@@ -61,8 +62,10 @@ def count_ngrams(streams, vocab_size, order):
     tokens = np.concatenate(streams).astype(np.int64) if streams else np.zeros(0, np.int64)
     check_ngram_tokens(tokens)
     lengths = np.array([s.size for s in streams], dtype=np.int64)
-    depth = np.arange(tokens.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # tokens before, same stream
-    ids, packed, levels = tokens, np.arange(vocab_size, dtype=np.uint64), []  # order 1: a token is its own id
+    # tokens before, same stream
+    depth = np.arange(tokens.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    # order 1: a token is its own id
+    ids, packed, levels = tokens, np.arange(vocab_size, dtype=np.uint64), []
     n_ids = 1 << NGRAM_TOKEN_BITS
     for n in range(2, order + 1):
         ends = np.flatnonzero(depth >= n - 1)  # positions that end an n-gram
@@ -132,8 +135,8 @@ def kneser_ney_level(level, counts, discounts, log_p_lower):
     (all > 0) above the order whose log P of each n-gram (for order 2: of each token) is
     log_p_lower."""
     contexts = level.contexts
-    starts = np.flatnonzero(np.concatenate([[True], contexts[1:] != contexts[:-1]])) if contexts.size else \
-        np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], contexts[1:] != contexts[:-1]])) \
+        if contexts.size else np.zeros(0, np.int64)
     row = np.repeat(np.arange(starts.size), np.diff(np.append(starts, contexts.size)))
     d = discounts[np.minimum(counts, 3) - 1]
     totals = np.add.reduceat(counts, starts).astype(np.float64) if starts.size else np.zeros(0)
@@ -141,8 +144,8 @@ def kneser_ney_level(level, counts, discounts, log_p_lower):
     lower = log_p_lower[level.suffixes]
     corrections = np.log1p((counts - d) / totals[row] / (backoff[row] * np.exp(lower)))
     log_backoff = np.log(backoff)
-    return (KneserNeyLevel(contexts[starts], np.append(starts, contexts.size), log_backoff, level.successors,
-                           corrections), log_backoff[row] + lower + corrections)
+    return (KneserNeyLevel(contexts[starts], np.append(starts, contexts.size), log_backoff,
+                           level.successors, corrections), log_backoff[row] + lower + corrections)
 
 
 def kneser_ney(unigrams, levels):
@@ -155,10 +158,13 @@ def kneser_ney(unigrams, levels):
     log_p, model_levels = log_unigram, []
     for n, level in enumerate(levels, start=2):
         top = n == len(levels) + 1
-        counts = level.counts if top else np.bincount(levels[n - 1].suffixes, minlength=level.counts.size)
-        keep = counts > 0  # below the top, an n-gram seen only at a stream's start has no continuation: unseen
+        counts = level.counts if top else np.bincount(levels[n - 1].suffixes,
+                                                      minlength=level.counts.size)
+        # below the top, an n-gram seen only at a stream's start has no continuation: unseen
+        keep = counts > 0
         if not top:  # the order above indexes its suffixes among the n-grams kept here
-            levels[n - 1] = levels[n - 1]._replace(suffixes=(np.cumsum(keep) - 1)[levels[n - 1].suffixes])
+            levels[n - 1] = levels[n - 1]._replace(
+                suffixes=(np.cumsum(keep) - 1)[levels[n - 1].suffixes])
         level = NgramLevel(*(a[keep] for a in level[:3]), level.suffixes[keep])
         discounts.append(kneser_ney_discounts(counts[keep]))
         model_level, log_p = kneser_ney_level(level, counts[keep], discounts[-1], log_p)
@@ -173,22 +179,26 @@ def ngram_context_rows(contexts, tokens):
     sequence's start and at a document token (it may start with one): a micro-step piece, which
     starts at a document, sees the same contexts."""
     tokens = np.asarray(tokens, dtype=np.int64)
-    fits = (tokens >> NGRAM_TOKEN_BITS) == 0  # a larger id (a model's vocabulary may reach it) was never counted
+    # a larger id (a model's vocabulary may reach it) was never counted
+    fits = (tokens >> NGRAM_TOKEN_BITS) == 0
     index, rows = np.arange(tokens.size), []
     key, there = np.zeros(tokens.size, dtype=np.uint64), fits.copy()
-    for back, order_contexts in enumerate(contexts):  # the context's oldest token is `back` positions before
+    # the context's oldest token is `back` positions before
+    for back, order_contexts in enumerate(contexts):
         if back:
             there[:back] = False
             there[back:] &= fits[:-back] & (tokens[1: tokens.size + 1 - back] != BOS_ID)
-        key |= np.where(there, tokens[np.maximum(index - back, 0)], 0).astype(np.uint64) << np.uint64(
-            NGRAM_TOKEN_BITS * back)
+        key |= (np.where(there, tokens[np.maximum(index - back, 0)], 0).astype(np.uint64)
+                << np.uint64(NGRAM_TOKEN_BITS * back))
         at = np.searchsorted(order_contexts, key).clip(max=max(order_contexts.size - 1, 0))
-        found = there & (order_contexts[at] == key) if order_contexts.size else np.zeros(tokens.size, bool)
+        found = (there & (order_contexts[at] == key) if order_contexts.size
+                 else np.zeros(tokens.size, bool))
         rows.append(np.where(found, at, -1))
     return np.stack(rows) if rows else np.zeros((0, tokens.size), np.int64)
 
 
-PRIOR_PAD_LOG_PROB = -1e4  # the head's padding ids never occur: exp underflows to 0, and weight 0 still gives 0
+# the head's padding ids never occur: exp underflows to 0, and weight 0 still gives 0
+PRIOR_PAD_LOG_PROB = -1e4
 
 
 class NgramPrior:
@@ -215,8 +225,10 @@ class NgramPrior:
         return 4 * columns + (order - 1) * training_tokens * (8 + 4 + 8 + 8 + 4)
 
     def nbytes(self):
-        tensors = [self.log_unigram, *self.offsets, *self.row_starts, *self.successors, *self.corrections]
-        return sum(t.numel() * t.element_size() for t in tensors) + sum(c.nbytes for c in self.contexts)
+        tensors = [self.log_unigram, *self.offsets, *self.row_starts, *self.successors,
+                   *self.corrections]
+        return (sum(t.numel() * t.element_size() for t in tensors)
+                + sum(c.nbytes for c in self.contexts))
 
     def context_rows(self, tokens):
         """(orders - 1, len(tokens)) int64 tensor: ngram_context_rows of a sequence's input
@@ -253,8 +265,8 @@ def count_ngram_prior(hp, files, log=None):
     counts (the trainer counts on the clock, and a resumed run counts again: the prior is not in
     checkpoints)."""
     began = time.perf_counter()
-    unigrams, levels = count_ngrams([read_shard(path, hp.vocab_size) for path in files], hp.vocab_size,
-                                    hp.ngram_prior_order)
+    unigrams, levels = count_ngrams([read_shard(path, hp.vocab_size) for path in files],
+                                    hp.vocab_size, hp.ngram_prior_order)
     counted = time.perf_counter() - began
     prior = NgramPrior(kneser_ney(unigrams, levels), hp.ngram_prior, padded_vocab(hp))
     if log is not None:

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 import train_gpt as tg
-from train_gpt import ScheduledOptimizer, adam_direction, ema_, ema_square_, hp_field, stacked_groups, world_info
+from train_gpt import (ScheduledOptimizer, adam_direction, ema_, ema_square_, hp_field,
+                       stacked_groups, world_info)
 
 
 @dataclass
@@ -28,8 +29,10 @@ class Hyperparameters(tg.Hyperparameters):
     shampoo_graft_eps: float = hp_field(1e-10, "Shampoo: epsilon of the Adam grafting")
     factor_max_dim: int = hp_field(8192, "Shampoo and SOAP: largest factor dimension (blocks are "
                                          "cut to it)")
-    factor_dtype: str = hp_field("fp32", "Shampoo and SOAP: dtype of the stored factors and roots/bases: fp32, bf16")
-    factor_block_cost: str = hp_field("bytes", "Shampoo and SOAP: block cost for the rank assignment: bytes, poly")
+    factor_dtype: str = hp_field("fp32", "Shampoo and SOAP: dtype of the stored factors and "
+                                         "roots/bases: fp32, bf16")
+    factor_block_cost: str = hp_field("bytes", "Shampoo and SOAP: block cost for the rank "
+                                               "assignment: bytes, poly")
     soap_lr: float = hp_field(0.003, "SOAP learning rate")
     soap_betas: tuple = hp_field((0.95, 0.95), "SOAP momentum and second-moment/factor decay")
     soap_wd: float = hp_field(0.01, "SOAP decoupled weight decay")
@@ -44,8 +47,9 @@ class Hyperparameters(tg.Hyperparameters):
 HP_SECTIONS = {"shampoo_lr": "track 3: the optimizers of --matrix_optimizer"}
 # (flags, test, what the test means), as train_gpt.VALUE_RULES
 VALUE_RULES = [
-    (("shampoo_lr", "shampoo_graft_eps", "shampoo_precondition_frequency", "factor_max_dim", "soap_lr", "soap_eps",
-      "soap_precondition_frequency", "adamw_lr", "adamw_eps"), lambda v: v > 0, "must be positive"),
+    (("shampoo_lr", "shampoo_graft_eps", "shampoo_precondition_frequency", "factor_max_dim",
+      "soap_lr", "soap_eps", "soap_precondition_frequency", "adamw_lr", "adamw_eps"),
+     lambda v: v > 0, "must be positive"),
     (("shampoo_wd", "shampoo_eps", "soap_wd", "adamw_wd"), lambda v: v >= 0, "must be >= 0"),
     (("shampoo_betas", "shampoo_graft_beta2", "soap_betas", "adamw_betas"), lambda v: 0 <= v < 1,
      "must be in [0, 1)"),
@@ -75,7 +79,8 @@ def merge_dims(shape, max_dim, target=1):
 def split_dims(shape, max_dim):
     """Blocks of at most max_dim along every dimension: a list of per-dimension slices per block
     (5 x 3 split by 2 -> 3 x 2 = 6 blocks)."""
-    per_dim = [[slice(start, min(start + max_dim, size)) for start in range(0, size, max_dim)] for size in shape]
+    per_dim = [[slice(start, min(start + max_dim, size)) for start in range(0, size, max_dim)]
+               for size in shape]
     blocks = [[]]
     for options in per_dim:
         blocks = [block + [s] for block in blocks for s in options]
@@ -142,7 +147,7 @@ def gram(grad, side):
 @dataclass(frozen=True)
 class ParamBlock:
     param: int  # index into the optimizer's parameters
-    rows: slice  # the piece of the parameter (a Q/K/V/O quarter of the attention weight, or all of it)
+    rows: slice  # the piece of the parameter (a Q/K/V/O quarter of the attention weight, or all)
     shape: tuple  # the piece viewed with merged dimensions
     index: tuple  # the block within that view
     numel: int
@@ -164,7 +169,8 @@ class BlockOptimizer(ScheduledOptimizer):
         self.rank, self.world_size = world_info()
         table = list(table)
         self.params = [p for p, _ in table]
-        self.param_groups = [dict(params=self.params, lr=lr, initial_lr=lr, betas=betas, weight_decay=weight_decay)]
+        self.param_groups = [dict(params=self.params, lr=lr, initial_lr=lr, betas=betas,
+                                  weight_decay=weight_decay)]
         self.blocks = []
         for index, (p, spec) in enumerate(table):
             pieces = spec.pieces
@@ -176,11 +182,13 @@ class BlockOptimizer(ScheduledOptimizer):
                     numel = math.prod(s.stop - s.start for s in sub)
                     self.blocks.append(ParamBlock(index, rows, shape, sub, numel))
         # no rank receives more gradient elements than NorMuon sends it for the same parameters
-        capacity = sum(-(-len(g) // self.world_size) * g[0].numel() for g in stacked_groups(table, self.world_size)) \
+        capacity = sum(-(-len(g) // self.world_size) * g[0].numel()
+                       for g in stacked_groups(table, self.world_size)) \
             if self.world_size > 1 else None
         costs = [block_cost(tuple(s.stop - s.start for s in b.index), cost) for b in self.blocks]
         owner = assign_blocks(costs, [b.numel for b in self.blocks], self.world_size, capacity)
-        self.rank_blocks = [[i for i, r in enumerate(owner) if r == rank] for rank in range(self.world_size)]
+        self.rank_blocks = [[i for i, r in enumerate(owner) if r == rank]
+                            for rank in range(self.world_size)]
         self.segment = max(sum(self.blocks[i].numel for i in mine) for mine in self.rank_blocks)
         self.step_count = 0
         self.state = {}  # block index -> its tensors (own blocks only)
@@ -188,7 +196,8 @@ class BlockOptimizer(ScheduledOptimizer):
     def _pack(self, get, rank_blocks, dtype):
         """The blocks' values (get(block) -> tensor) laid out rank after rank, padded to equal
         segments."""
-        flat = torch.zeros(len(rank_blocks) * self.segment, dtype=dtype, device=self.params[0].device)
+        flat = torch.zeros(len(rank_blocks) * self.segment, dtype=dtype,
+                           device=self.params[0].device)
         for rank, mine in enumerate(rank_blocks):
             offset = rank * self.segment
             for i in mine:
@@ -201,7 +210,8 @@ class BlockOptimizer(ScheduledOptimizer):
     def update(self):
         self.step_count += 1
         group = self.param_groups[0]
-        grads = self._pack(lambda b: b.of(self.params[b.param].grad), self.rank_blocks, torch.float32)
+        grads = self._pack(lambda b: b.of(self.params[b.param].grad), self.rank_blocks,
+                           torch.float32)
         if self.world_size > 1:
             local = grads.new_empty(self.segment)
             dist.reduce_scatter_tensor(local, grads, op=dist.ReduceOp.AVG)
@@ -262,16 +272,19 @@ class BlockOptimizer(ScheduledOptimizer):
             raise ValueError(f"{self.name} state does not match this optimizer and model")
         self.step_count = state["step"]
         device = self.params[0].device
-        self.state = {i: {k: v.to(device) if torch.is_tensor(v) else v for k, v in state["blocks"][i].items()}
+        self.state = {i: {k: v.to(device) if torch.is_tensor(v) else v
+                          for k, v in state["blocks"][i].items()}
                       for i in self.rank_blocks[self.rank] if i in state["blocks"]}
 
     def _fits(self, i, block_state):
         """Whether a saved block state has the entries and shapes this optimizer makes for block i
         (a checkpoint of another version of the script may not)."""
         block = self.blocks[i]
-        expected = self._new_state(torch.empty(block.of(self.params[block.param]).shape, device="meta"))
+        expected = self._new_state(torch.empty(block.of(self.params[block.param]).shape,
+                                               device="meta"))
         return block_state.keys() == expected.keys() and \
-            all(getattr(block_state[k], "shape", None) == getattr(expected[k], "shape", None) for k in expected)
+            all(getattr(block_state[k], "shape", None) == getattr(expected[k], "shape", None)
+                for k in expected)
 
 
 class FactoredOptimizer(BlockOptimizer):
@@ -312,9 +325,10 @@ class Shampoo(FactoredOptimizer):
 
     name, derived, second = "shampoo", "root", "graft"
 
-    def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency, graft_beta2, graft_eps,
-                 state_dtype="fp32", cost="bytes"):
-        super().__init__(params, lr, betas, weight_decay, eps, max_dim, precondition_frequency, state_dtype, cost)
+    def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency,
+                 graft_beta2, graft_eps, state_dtype="fp32", cost="bytes"):
+        super().__init__(params, lr, betas, weight_decay, eps, max_dim, precondition_frequency,
+                         state_dtype, cost)
         self.graft_beta2, self.graft_eps = graft_beta2, graft_eps
 
     def direction(self, i, grad):
@@ -324,10 +338,11 @@ class Shampoo(FactoredOptimizer):
         for d in range(grad.ndim):
             factor = self._accumulate_factor(state, grad, d, beta2)
             if (t - 1) % self.frequency == 0:
-                state[f"root{d}"].copy_(inverse_root(factor / (1 - beta2 ** t), 2 * grad.ndim, self.eps))
+                state[f"root{d}"].copy_(inverse_root(factor / (1 - beta2 ** t), 2 * grad.ndim,
+                                                     self.eps))
         momentum = ema_(state["momentum"], grad, beta1)
-        adam = adam_direction(momentum, ema_square_(state["graft"], grad, self.graft_beta2), t, beta1,
-                              self.graft_beta2, self.graft_eps)
+        adam = adam_direction(momentum, ema_square_(state["graft"], grad, self.graft_beta2), t,
+                              beta1, self.graft_beta2, self.graft_eps)
         filtered = momentum / (1 - beta1 ** t)
         roots = [state[f"root{d}"].float() for d in range(grad.ndim)]
         shampoo = roots[0] @ filtered @ roots[1] if grad.ndim == 2 else roots[0] @ filtered
@@ -406,8 +421,8 @@ class AdamW(BlockOptimizer):
         beta1, beta2 = self.param_groups[0]["betas"]
         t = self.step_count
         state = self._block_state(i, grad)
-        return adam_direction(ema_(state["m"], grad, beta1), ema_square_(state["v"], grad, beta2), t, beta1, beta2,
-                              self.eps)
+        return adam_direction(ema_(state["m"], grad, beta1), ema_square_(state["v"], grad, beta2),
+                              t, beta1, beta2, self.eps)
 
     def _new_state(self, grad):
         return dict(m=torch.zeros_like(grad), v=torch.zeros_like(grad))
@@ -417,12 +432,15 @@ class AdamW(BlockOptimizer):
 # optimizer is its class, its fields in Hyperparameters and one entry here.
 FACTOR_FLAGS = dict(max_dim="factor_max_dim", state_dtype="factor_dtype", cost="factor_block_cost")
 OPTIMIZERS = {
-    "shampoo": (Shampoo, dict(lr="shampoo_lr", betas="shampoo_betas", weight_decay="shampoo_wd", eps="shampoo_eps",
+    "shampoo": (Shampoo, dict(lr="shampoo_lr", betas="shampoo_betas", weight_decay="shampoo_wd",
+                              eps="shampoo_eps",
                               precondition_frequency="shampoo_precondition_frequency",
-                              graft_beta2="shampoo_graft_beta2", graft_eps="shampoo_graft_eps", **FACTOR_FLAGS)),
+                              graft_beta2="shampoo_graft_beta2", graft_eps="shampoo_graft_eps",
+                              **FACTOR_FLAGS)),
     "soap": (SOAP, dict(lr="soap_lr", betas="soap_betas", weight_decay="soap_wd", eps="soap_eps",
                         precondition_frequency="soap_precondition_frequency", **FACTOR_FLAGS)),
-    "adamw": (AdamW, dict(lr="adamw_lr", betas="adamw_betas", weight_decay="adamw_wd", eps="adamw_eps")),
+    "adamw": (AdamW, dict(lr="adamw_lr", betas="adamw_betas", weight_decay="adamw_wd",
+                          eps="adamw_eps")),
 }
 
 
