@@ -3190,11 +3190,10 @@ def _parse_profile_range(text):
 
 
 def shard_fingerprint(path):
-    """(size in bytes, sha256 of the header and of 64 blocks of 4 KiB spread evenly over the
-    tokens): what a checkpoint records of each training shard, so that another shard under the same
-    name is noticed on resume and by tools/sample.py. A shard up to 257 KiB is hashed whole; in a
-    larger one an edit between the blocks goes unseen (a cheap check: 65 reads whatever the
-    size)."""
+    """(size in bytes, sha256 of the header and of 64 blocks of 4 KiB spread over the tokens), as
+    checkpoints record each training shard: a swapped shard is noticed on resume and by
+    tools/sample.py. Cheap (65 reads); an edit between the blocks of a shard over 257 KiB goes
+    unseen."""
     header_bytes = SHARD_HEADER_INTS * 4
     digest = hashlib.sha256()
     try:
@@ -3666,11 +3665,9 @@ def check_same_shards(path, loader_state, loader, force, log):
 
 
 def check_log_continues(path, hp, total_steps, checkpoint_folder):
-    """For --resume auto with an existing log: continue it only if it is this run's own, i.e.
-    written by this very script with the same trajectory settings and seed, and the run has not
-    finished (or finished without the final.pt that --save_checkpoint asks for: a stop during its
-    write; the run then continues from its last checkpoint and writes it); otherwise the run id
-    belongs to another run and is refused as taken."""
+    """--resume auto with an existing log: continue it only if it is this run's own (this script,
+    the same trajectory settings and seed) and unfinished (or finished without the final.pt that
+    --save_checkpoint asks for: the run then writes it); else the run id is taken."""
     text = path.read_text(encoding="utf-8", errors="replace")
     head = run_source(hp) + SEPARATOR + "\n"
     if not text.startswith(head):
@@ -3909,11 +3906,9 @@ def setup_distributed(hp):
 
 
 def resolve_data(hp, rank):
-    """(train glob, val glob, description), prefixed by $DATA_PATH. The synthetic corpus replaces
-    the data only with --synthetic_fallback, when both globs are left at their defaults and neither
-    matches (one that matches while the other does not is an error: half of the real data, never
-    silently swapped); it lives in the working folder's data/synthetic/ (never written under a
-    DATA_PATH); a glob the user gave that matches nothing is an error."""
+    """(train glob, val glob, description), under $DATA_PATH. With --synthetic_fallback the
+    synthetic corpus (in ./data/synthetic/) replaces the data when both default globs match nothing;
+    half the real data, or a user's glob that matches nothing, is an error."""
     data_path = os.environ.get("DATA_PATH")
     if data_path and not Path(data_path).is_dir():
         raise DataError(f"DATA_PATH {data_path} is not a folder; set it to the folder that holds "
@@ -4101,13 +4096,10 @@ class LateLossCheck:
 
 
 class StopSignals:
-    """SIGTERM and SIGUSR1 (what schedulers send before they kill: SLURM, Kubernetes, spot
-    instances) and SIGHUP (the terminal or ssh session of the run closed) ask the run to stop.
-    Before the first training step there is nothing to save, so a signal stops the process at once
-    (Preempted). From note_from_now_on() (the training loop) the handler only notes the first
-    signal; the loop carries the request to every rank and stops them all at the same step, after a
-    checkpoint. Further signals change nothing, so one during the checkpoint's write cannot cut it
-    short."""
+    """SIGTERM, SIGUSR1 (schedulers' warning before a kill) and SIGHUP (terminal closed) ask the
+    run to stop: at once before the first training step (Preempted: nothing to save); from
+    note_from_now_on() the first is only noted, and the loop stops every rank at the same step after
+    a checkpoint. Later signals change nothing, so none cuts the checkpoint's write short."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
@@ -4276,13 +4268,10 @@ def padded_piece_length(tokens, max_piece_tokens, max_seq_len):
 
 
 def piece_inputs(window, doc_lengths, start, stop, length, device, bigram_ids=None):
-    """The Batch of the micro-step piece [start, stop) of `window` (the micro-step's inputs and its
-    last target; documents `doc_lengths`; bigram ids hashed over the whole micro-step), padded to
-    `length` positions: [context][the piece's tokens][padding]. The context is the micro-step from
-    the start of the document holding the token before the piece (none for the first piece) up to
-    the piece, with its document boundaries and no loss; the two targets after the piece's last
-    position ride on the first positions after it; the padding is a document of its own with no
-    loss; the rotary positions are the micro-step's."""
+    """The Batch of the micro-step piece [start, stop) of `window` (inputs and last target;
+    documents `doc_lengths`; bigram ids of the whole micro-step), padded to `length`:
+    [context][tokens][padding]. The context runs from the start of the document holding the token
+    before the piece, with no loss; context_piece does the rest."""
     ends = np.cumsum(doc_lengths)
     first = (int((ends - doc_lengths)[np.searchsorted(ends, start - 1, side="right")])
              if start else 0)
@@ -4337,13 +4326,10 @@ def validation_piece_length(tokens, max_piece_tokens, context):
 
 def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accum, device,
                       max_piece_tokens, context, bigram_rows=0):
-    """[the Batches of each validation forward]: one uncut Batch (validation_batches) if it holds at
-    most max_piece_tokens tokens, else pieces of max_piece_tokens consecutive tokens (the last may
-    be shorter), each led by the `context` tokens before it (receptive_field; fewer at the window's
-    start), with their document boundaries, rotary positions and bigram ids and no loss (the
-    context's first document starts where it starts: what that changes lies more than `context`
-    tokens before the piece's tokens, beyond their reach), padded to validation_piece_length (a
-    document of its own with no loss). Every loss term is the uncut one."""
+    """[the Batches of each validation forward]: one uncut Batch if it holds at most
+    max_piece_tokens tokens, else pieces of that many, each led by the `context` tokens before it
+    (receptive_field) with no loss, padded to validation_piece_length. A context's cut first
+    document changes nothing within reach, so every loss term is the uncut one."""
     for buf, lengths in validation_windows(tokens, val_tokens, val_batch_size, rank, world_size,
                                            accum):
         n = len(buf) - 1
@@ -4375,11 +4361,6 @@ def micro_step_pieces(hp, world_size, accum):
 # FlexAttention has no CPU backward, so attention runs as tiled SDPA with the same mask; the
 # softcapped loss runs in chunks with its gradients formed on the way; Polar Express runs in fp32
 # (backend_for), as bf16 matmuls without native support are ~20x slower.
-
-
-# FlexAttention has no CPU backward, so attention runs as tiled SDPA with the same mask; the
-# softcapped loss runs in chunks with its gradients formed on the way; Polar Express runs in fp32
-# (make_optimizers), as bf16 matmuls without native support are ~20x slower.
 
 def local_window_mask(docs, window_tokens):
     """Queries in tiles of ATTN_BLOCK; each tile sees the window_tokens keys before it plus itself.
@@ -4431,11 +4412,9 @@ SOFTCAP_CHUNK = 512  # rows of logits alive at once in the CPU loss
 
 def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, loss_mask=None,
                          prior=None, prior_rows=None):
-    """Summed cross-entropy of the softcapped logits of x @ w.T (with mtp_weights: the multi-token
-    loss; with loss_mask: over its terms, as multi_token_loss; with an NgramPrior: plus its rows of
-    the contexts prior_rows, NgramPrior.context_rows of the inputs), SOFTCAP_CHUNK rows at a time;
-    with_grads also forms d loss / d x and d loss / d w on the way. On CPU, eager elementwise passes
-    over full (tokens, vocab) logits dominate; on GPU the compiled graph fuses them instead."""
+    """Summed cross-entropy of the softcapped logits of x @ w.T (mtp_weights, loss_mask: as
+    multi_token_loss; a prior: plus its rows prior_rows), SOFTCAP_CHUNK rows at a time, so no
+    (tokens, vocab) pass dominates on CPU; with_grads also forms d loss / d x and d loss / d w."""
     scale, n = softcap.scale, x.size(0)
     weights = [1.0] if mtp_weights is None else mtp_weights  # 0-dim tensors: no host read
     grad_x = torch.empty_like(x) if with_grads else None
