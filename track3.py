@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 import train_gpt as tg
-from train_gpt import ScheduledOptimizer, adam_direction, ema_, ema_square_, hp_field, stacked_groups, world_info
+from train_gpt import (ScheduledOptimizer, adam_direction, ema_, ema_square_, hp_field,
+                       stacked_groups, world_info)
 
 
 @dataclass
@@ -22,12 +23,16 @@ class Hyperparameters(tg.Hyperparameters):
     shampoo_betas: tuple = hp_field((0.9, 0.95), "Shampoo momentum and factor decay")
     shampoo_wd: float = hp_field(0.2, "Shampoo decoupled weight decay")
     shampoo_eps: float = hp_field(1e-12, "Shampoo epsilon added to the factors' eigenvalues")
-    shampoo_precondition_frequency: int = hp_field(5, "Shampoo: steps between inverse-root refreshes")
+    shampoo_precondition_frequency: int = hp_field(5, "Shampoo: steps between inverse-root "
+                                                      "refreshes")
     shampoo_graft_beta2: float = hp_field(0.95, "Shampoo: second-moment decay of the Adam grafting")
     shampoo_graft_eps: float = hp_field(1e-10, "Shampoo: epsilon of the Adam grafting")
-    factor_max_dim: int = hp_field(8192, "Shampoo and SOAP: largest factor dimension (blocks are cut to it)")
-    factor_dtype: str = hp_field("fp32", "Shampoo and SOAP: dtype of the stored factors and roots/bases: fp32, bf16")
-    factor_block_cost: str = hp_field("bytes", "Shampoo and SOAP: block cost for the rank assignment: bytes, poly")
+    factor_max_dim: int = hp_field(8192, "Shampoo and SOAP: largest factor dimension (blocks are "
+                                         "cut to it)")
+    factor_dtype: str = hp_field("fp32", "Shampoo and SOAP: dtype of the stored factors and "
+                                         "roots/bases: fp32, bf16")
+    factor_block_cost: str = hp_field("bytes", "Shampoo and SOAP: block cost for the rank "
+                                               "assignment: bytes, poly")
     soap_lr: float = hp_field(0.003, "SOAP learning rate")
     soap_betas: tuple = hp_field((0.95, 0.95), "SOAP momentum and second-moment/factor decay")
     soap_wd: float = hp_field(0.01, "SOAP decoupled weight decay")
@@ -42,8 +47,9 @@ class Hyperparameters(tg.Hyperparameters):
 HP_SECTIONS = {"shampoo_lr": "track 3: the optimizers of --matrix_optimizer"}
 # (flags, test, what the test means), as train_gpt.VALUE_RULES
 VALUE_RULES = [
-    (("shampoo_lr", "shampoo_graft_eps", "shampoo_precondition_frequency", "factor_max_dim", "soap_lr", "soap_eps",
-      "soap_precondition_frequency", "adamw_lr", "adamw_eps"), lambda v: v > 0, "must be positive"),
+    (("shampoo_lr", "shampoo_graft_eps", "shampoo_precondition_frequency", "factor_max_dim",
+      "soap_lr", "soap_eps", "soap_precondition_frequency", "adamw_lr", "adamw_eps"),
+     lambda v: v > 0, "must be positive"),
     (("shampoo_wd", "shampoo_eps", "soap_wd", "adamw_wd"), lambda v: v >= 0, "must be >= 0"),
     (("shampoo_betas", "shampoo_graft_beta2", "soap_betas", "adamw_betas"), lambda v: 0 <= v < 1,
      "must be in [0, 1)"),
@@ -51,9 +57,9 @@ VALUE_RULES = [
 CHOICES = {"factor_dtype": ("fp32", "bf16"), "factor_block_cost": ("bytes", "poly")}
 
 
-# Each parameter is cut into blocks (the merged attention weight into Q, K, V and O first); blocks go
-# to ranks by a greedy heaviest-first assignment over a cost model; one reduce-scatter brings each
-# rank the gradients of its blocks, one all-gather brings everyone the updated blocks.
+# Each parameter is cut into blocks (the merged attention weight into Q, K, V and O first); blocks
+# go to ranks by a greedy heaviest-first assignment over a cost model; one reduce-scatter brings
+# each rank the gradients of its blocks, one all-gather brings everyone the updated blocks.
 
 
 def merge_dims(shape, max_dim, target=1):
@@ -73,7 +79,8 @@ def merge_dims(shape, max_dim, target=1):
 def split_dims(shape, max_dim):
     """Blocks of at most max_dim along every dimension: a list of per-dimension slices per block
     (5 x 3 split by 2 -> 3 x 2 = 6 blocks)."""
-    per_dim = [[slice(start, min(start + max_dim, size)) for start in range(0, size, max_dim)] for size in shape]
+    per_dim = [[slice(start, min(start + max_dim, size)) for start in range(0, size, max_dim)]
+               for size in shape]
     blocks = [[]]
     for options in per_dim:
         blocks = [block + [s] for block in blocks for s in options]
@@ -81,8 +88,9 @@ def split_dims(shape, max_dim):
 
 
 def block_cost(shape, model):
-    """Relative work and memory of a block's preconditioner. 'bytes': its factor matrices in fp32, each
-    side aligned to 8; 'poly': eigendecompositions (d^3 per side) plus applying them (numel x sum d)."""
+    """Relative work and memory of a block's preconditioner. 'bytes': its factor matrices in fp32,
+    each side aligned to 8; 'poly': eigendecompositions (d^3 per side) plus applying them (numel x
+    sum d)."""
     if model == "bytes":
         return sum(4 * (-(-d // 8) * 8) ** 2 for d in shape)
     return sum(d ** 3 for d in shape) + math.prod(shape) * sum(shape)
@@ -90,7 +98,8 @@ def block_cost(shape, model):
 
 def assign_blocks(costs, numels, world_size, capacity=None):
     """Greedy, heaviest block first, to the rank with the least cost so far whose gradient elements
-    stay within `capacity` (else to the rank with the fewest elements). Returns each block's rank."""
+    stay within `capacity` (else to the rank with the fewest elements). Returns each block's
+    rank."""
     owner = [0] * len(costs)
     heap = [(0.0, rank) for rank in range(world_size)]
     elements = [0] * world_size
@@ -113,7 +122,8 @@ def assign_blocks(costs, numels, world_size, capacity=None):
 
 
 def symmetric_eigh(matrix):
-    """(eigenvalues, eigenvectors) of a symmetric matrix in fp32, retried in fp64 when fp32 fails to converge."""
+    """(eigenvalues, eigenvectors) of a symmetric matrix in fp32, retried in fp64 when fp32 fails to
+    converge."""
     try:
         return torch.linalg.eigh(matrix.float())
     except torch.linalg.LinAlgError:
@@ -137,7 +147,7 @@ def gram(grad, side):
 @dataclass(frozen=True)
 class ParamBlock:
     param: int  # index into the optimizer's parameters
-    rows: slice  # the piece of the parameter (a Q/K/V/O quarter of the attention weight, or all of it)
+    rows: slice  # the piece of the parameter (a Q/K/V/O quarter of the attention weight, or all)
     shape: tuple  # the piece viewed with merged dimensions
     index: tuple  # the block within that view
     numel: int
@@ -159,7 +169,8 @@ class BlockOptimizer(ScheduledOptimizer):
         self.rank, self.world_size = world_info()
         table = list(table)
         self.params = [p for p, _ in table]
-        self.param_groups = [dict(params=self.params, lr=lr, initial_lr=lr, betas=betas, weight_decay=weight_decay)]
+        self.param_groups = [dict(params=self.params, lr=lr, initial_lr=lr, betas=betas,
+                                  weight_decay=weight_decay)]
         self.blocks = []
         for index, (p, spec) in enumerate(table):
             pieces = spec.pieces
@@ -171,18 +182,22 @@ class BlockOptimizer(ScheduledOptimizer):
                     numel = math.prod(s.stop - s.start for s in sub)
                     self.blocks.append(ParamBlock(index, rows, shape, sub, numel))
         # no rank receives more gradient elements than NorMuon sends it for the same parameters
-        capacity = sum(-(-len(g) // self.world_size) * g[0].numel() for g in stacked_groups(table, self.world_size)) \
+        capacity = sum(-(-len(g) // self.world_size) * g[0].numel()
+                       for g in stacked_groups(table, self.world_size)) \
             if self.world_size > 1 else None
         costs = [block_cost(tuple(s.stop - s.start for s in b.index), cost) for b in self.blocks]
         owner = assign_blocks(costs, [b.numel for b in self.blocks], self.world_size, capacity)
-        self.rank_blocks = [[i for i, r in enumerate(owner) if r == rank] for rank in range(self.world_size)]
+        self.rank_blocks = [[i for i, r in enumerate(owner) if r == rank]
+                            for rank in range(self.world_size)]
         self.segment = max(sum(self.blocks[i].numel for i in mine) for mine in self.rank_blocks)
         self.step_count = 0
         self.state = {}  # block index -> its tensors (own blocks only)
 
     def _pack(self, get, rank_blocks, dtype):
-        """The blocks' values (get(block) -> tensor) laid out rank after rank, padded to equal segments."""
-        flat = torch.zeros(len(rank_blocks) * self.segment, dtype=dtype, device=self.params[0].device)
+        """The blocks' values (get(block) -> tensor) laid out rank after rank, padded to equal
+        segments."""
+        flat = torch.zeros(len(rank_blocks) * self.segment, dtype=dtype,
+                           device=self.params[0].device)
         for rank, mine in enumerate(rank_blocks):
             offset = rank * self.segment
             for i in mine:
@@ -195,7 +210,8 @@ class BlockOptimizer(ScheduledOptimizer):
     def update(self):
         self.step_count += 1
         group = self.param_groups[0]
-        grads = self._pack(lambda b: b.of(self.params[b.param].grad), self.rank_blocks, torch.float32)
+        grads = self._pack(lambda b: b.of(self.params[b.param].grad), self.rank_blocks,
+                           torch.float32)
         if self.world_size > 1:
             local = grads.new_empty(self.segment)
             dist.reduce_scatter_tensor(local, grads, op=dist.ReduceOp.AVG)
@@ -226,7 +242,8 @@ class BlockOptimizer(ScheduledOptimizer):
                 offset += block.numel
 
     def direction(self, i, grad):
-        """The block's update direction from its averaged gradient (None: leave the block as it is)."""
+        """The block's update direction from its averaged gradient (None: leave the block as it
+        is)."""
         raise NotImplementedError
 
     def _new_state(self, grad):
@@ -239,7 +256,8 @@ class BlockOptimizer(ScheduledOptimizer):
         return self.state[i]
 
     def state_dict(self):
-        """Every block's state (all ranks' gathered, keyed by block index: the same at any world size)."""
+        """Every block's state (all ranks' gathered, keyed by block index: the same at any world
+        size)."""
         state = {i: {k: v.cpu().clone() if torch.is_tensor(v) else v for k, v in s.items()}
                  for i, s in self.state.items()}
         if self.world_size > 1:
@@ -254,23 +272,26 @@ class BlockOptimizer(ScheduledOptimizer):
             raise ValueError(f"{self.name} state does not match this optimizer and model")
         self.step_count = state["step"]
         device = self.params[0].device
-        self.state = {i: {k: v.to(device) if torch.is_tensor(v) else v for k, v in state["blocks"][i].items()}
+        self.state = {i: {k: v.to(device) if torch.is_tensor(v) else v
+                          for k, v in state["blocks"][i].items()}
                       for i in self.rank_blocks[self.rank] if i in state["blocks"]}
 
     def _fits(self, i, block_state):
         """Whether a saved block state has the entries and shapes this optimizer makes for block i
         (a checkpoint of another version of the script may not)."""
         block = self.blocks[i]
-        expected = self._new_state(torch.empty(block.of(self.params[block.param]).shape, device="meta"))
+        expected = self._new_state(torch.empty(block.of(self.params[block.param]).shape,
+                                               device="meta"))
         return block_state.keys() == expected.keys() and \
-            all(getattr(block_state[k], "shape", None) == getattr(expected[k], "shape", None) for k in expected)
+            all(getattr(block_state[k], "shape", None) == getattr(expected[k], "shape", None)
+                for k in expected)
 
 
 class FactoredOptimizer(BlockOptimizer):
     """Shampoo's and SOAP's common part: per block, the factors L = EMA(G Gᵀ) and R = EMA(Gᵀ G) (one
-    factor for a 1-D block), each with a matrix derived from it (`derived`: inverse root or eigenbasis),
-    stored in `state_dtype` ("fp32" or "bf16"), plus momentum and an Adam-style second moment (`second`);
-    subclasses name the last two state entries."""
+    factor for a 1-D block), each with a matrix derived from it (`derived`: inverse root or
+    eigenbasis), stored in `state_dtype` ("fp32" or "bf16"), plus momentum and an Adam-style second
+    moment (`second`); subclasses name the last two state entries."""
 
     def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency,
                  state_dtype="fp32", cost="bytes"):
@@ -286,25 +307,28 @@ class FactoredOptimizer(BlockOptimizer):
         return state
 
     def _accumulate_factor(self, state, grad, d, beta2):
-        """factor_d <- beta2 factor_d + (1 - beta2) (G Gᵀ or Gᵀ G), computed in fp32; returns the fp32 factor."""
+        """factor_d <- beta2 factor_d + (1 - beta2) (G Gᵀ or Gᵀ G), computed in fp32; returns the
+        fp32 factor."""
         factor = ema_(state[f"factor{d}"].float(), gram(grad, d), beta2)
         state[f"factor{d}"].copy_(factor)
         return factor
 
 
 class Shampoo(FactoredOptimizer):
-    """Shampoo with Adam grafting: factors L = EMA(G Gᵀ), R = EMA(Gᵀ G) (bias-corrected), inverse roots
-    L^(-1/4), R^(-1/4) refreshed every `precondition_frequency` steps f, momentum on the gradient, the
-    preconditioned direction rescaled per block to the norm of Adam's direction, then decoupled weight
-    decay. A 1-D block has one factor and exponent -1/2. The refreshes fall on steps 1, 1 + f, 1 + 2f, ...,
-    so there is a root from the first step; Meta's Distributed Shampoo computes its roots on the
-    multiples of f (f, 2f, ...) after its start_preconditioning_step: the same interval, another phase."""
+    """Shampoo with Adam grafting: factors L = EMA(G Gᵀ), R = EMA(Gᵀ G) (bias-corrected), inverse
+    roots L^(-1/4), R^(-1/4) refreshed every `precondition_frequency` steps f, momentum on the
+    gradient, the preconditioned direction rescaled per block to the norm of Adam's direction, then
+    decoupled weight decay. A 1-D block has one factor and exponent -1/2. The refreshes fall on
+    steps 1, 1 + f, 1 + 2f, ..., so there is a root from the first step; Meta's Distributed Shampoo
+    computes its roots on the multiples of f (f, 2f, ...) after its start_preconditioning_step: the
+    same interval, another phase."""
 
     name, derived, second = "shampoo", "root", "graft"
 
-    def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency, graft_beta2, graft_eps,
-                 state_dtype="fp32", cost="bytes"):
-        super().__init__(params, lr, betas, weight_decay, eps, max_dim, precondition_frequency, state_dtype, cost)
+    def __init__(self, params, lr, betas, weight_decay, eps, max_dim, precondition_frequency,
+                 graft_beta2, graft_eps, state_dtype="fp32", cost="bytes"):
+        super().__init__(params, lr, betas, weight_decay, eps, max_dim, precondition_frequency,
+                         state_dtype, cost)
         self.graft_beta2, self.graft_eps = graft_beta2, graft_eps
 
     def direction(self, i, grad):
@@ -314,10 +338,11 @@ class Shampoo(FactoredOptimizer):
         for d in range(grad.ndim):
             factor = self._accumulate_factor(state, grad, d, beta2)
             if (t - 1) % self.frequency == 0:
-                state[f"root{d}"].copy_(inverse_root(factor / (1 - beta2 ** t), 2 * grad.ndim, self.eps))
+                state[f"root{d}"].copy_(inverse_root(factor / (1 - beta2 ** t), 2 * grad.ndim,
+                                                     self.eps))
         momentum = ema_(state["momentum"], grad, beta1)
-        adam = adam_direction(momentum, ema_square_(state["graft"], grad, self.graft_beta2), t, beta1,
-                              self.graft_beta2, self.graft_eps)
+        adam = adam_direction(momentum, ema_square_(state["graft"], grad, self.graft_beta2), t,
+                              beta1, self.graft_beta2, self.graft_eps)
         filtered = momentum / (1 - beta1 ** t)
         roots = [state[f"root{d}"].float() for d in range(grad.ndim)]
         shampoo = roots[0] @ filtered @ roots[1] if grad.ndim == 2 else roots[0] @ filtered
@@ -326,20 +351,21 @@ class Shampoo(FactoredOptimizer):
 
 class SOAP(FactoredOptimizer):
     """SOAP: Adam run in the eigenbasis of Shampoo's factors, with decoupled weight decay. As in the
-    published SOAP, a gradient enters the factors only after it has been used, so the basis never holds
-    the gradient it rotates: a block's first step only builds its basis (an eigendecomposition, no
-    update). After every `precondition_frequency` Adam steps the basis takes one power-iteration step
-    and a QR decomposition from where it was, its directions (and the second moment's entries with
-    them) ordered by their estimated eigenvalues: a slowly turning basis whose second moment still fits
-    it. Momentum lives in the parameter's basis, the second moment in the rotated one."""
+    published SOAP, a gradient enters the factors only after it has been used, so the basis never
+    holds the gradient it rotates: a block's first step only builds its basis (an
+    eigendecomposition, no update). After every `precondition_frequency` Adam steps the basis takes
+    one power-iteration step and a QR decomposition from where it was, its directions (and the
+    second moment's entries with them) ordered by their estimated eigenvalues: a slowly turning
+    basis whose second moment still fits it. Momentum lives in the parameter's basis, the second
+    moment in the rotated one."""
 
     name, derived, second = "soap", "basis", "second"
 
     def _new_state(self, grad):
-        # adam_steps: a Python int (reading it never waits for a GPU); -1 while the block has no basis.
-        # A block behind a zero-initialized weight (Q, K, V behind O, the MLP's input behind its output)
-        # has an exactly zero first gradient; a basis built from a zero factor would be arbitrary, and
-        # power iterations every few steps would take most of the run to repair it.
+        # adam_steps: a Python int (reading it never waits for a GPU); -1 while the block has no
+        # basis. A block behind a zero-initialized weight (Q, K, V behind O, the MLP's input behind
+        # its output) has an exactly zero first gradient; a basis built from a zero factor would be
+        # arbitrary, and power iterations every few steps would take most of the run to repair it.
         return dict(super()._new_state(grad), adam_steps=-1)
 
     def direction(self, i, grad):
@@ -360,7 +386,8 @@ class SOAP(FactoredOptimizer):
         return update
 
     def _turn_basis(self, state, factor, d):
-        """basis_d <- QR(factor_d @ basis_d) with the directions sorted by estimated eigenvalue, largest first."""
+        """basis_d <- QR(factor_d @ basis_d) with the directions sorted by estimated eigenvalue,
+        largest first."""
         basis = state[f"basis{d}"].float()
         order = torch.argsort((basis * (factor @ basis)).sum(0), descending=True)  # diag(Bᵀ F B)
         state["second"].copy_(state["second"].index_select(d, order))
@@ -381,7 +408,8 @@ class SOAP(FactoredOptimizer):
 
 
 class AdamW(BlockOptimizer):
-    """AdamW (bias-corrected, decoupled weight decay), the track's baseline; blocks are whole pieces."""
+    """AdamW (bias-corrected, decoupled weight decay), the track's baseline; blocks are whole
+    pieces."""
 
     name = "adamw"
 
@@ -393,8 +421,8 @@ class AdamW(BlockOptimizer):
         beta1, beta2 = self.param_groups[0]["betas"]
         t = self.step_count
         state = self._block_state(i, grad)
-        return adam_direction(ema_(state["m"], grad, beta1), ema_square_(state["v"], grad, beta2), t, beta1, beta2,
-                              self.eps)
+        return adam_direction(ema_(state["m"], grad, beta1), ema_square_(state["v"], grad, beta2),
+                              t, beta1, beta2, self.eps)
 
     def _new_state(self, grad):
         return dict(m=torch.zeros_like(grad), v=torch.zeros_like(grad))
@@ -404,12 +432,15 @@ class AdamW(BlockOptimizer):
 # optimizer is its class, its fields in Hyperparameters and one entry here.
 FACTOR_FLAGS = dict(max_dim="factor_max_dim", state_dtype="factor_dtype", cost="factor_block_cost")
 OPTIMIZERS = {
-    "shampoo": (Shampoo, dict(lr="shampoo_lr", betas="shampoo_betas", weight_decay="shampoo_wd", eps="shampoo_eps",
+    "shampoo": (Shampoo, dict(lr="shampoo_lr", betas="shampoo_betas", weight_decay="shampoo_wd",
+                              eps="shampoo_eps",
                               precondition_frequency="shampoo_precondition_frequency",
-                              graft_beta2="shampoo_graft_beta2", graft_eps="shampoo_graft_eps", **FACTOR_FLAGS)),
+                              graft_beta2="shampoo_graft_beta2", graft_eps="shampoo_graft_eps",
+                              **FACTOR_FLAGS)),
     "soap": (SOAP, dict(lr="soap_lr", betas="soap_betas", weight_decay="soap_wd", eps="soap_eps",
                         precondition_frequency="soap_precondition_frequency", **FACTOR_FLAGS)),
-    "adamw": (AdamW, dict(lr="adamw_lr", betas="adamw_betas", weight_decay="adamw_wd", eps="adamw_eps")),
+    "adamw": (AdamW, dict(lr="adamw_lr", betas="adamw_betas", weight_decay="adamw_wd",
+                          eps="adamw_eps")),
 }
 
 
@@ -417,10 +448,12 @@ def check_hyperparameters(hp):
     """The track-3 fields' rules (train_gpt.check_hyperparameters applies them)."""
     for name, choices in CHOICES.items():
         if getattr(hp, name) not in choices:
-            raise tg.ConfigError(f"--{name} must be one of {', '.join(choices)}, got {getattr(hp, name)!r}")
+            raise tg.ConfigError(f"--{name} must be one of {', '.join(choices)}, got "
+                                 f"{getattr(hp, name)!r}")
 
 
 def make_optimizer(name, params, hp):
-    """The --matrix_optimizer `name` over `params` ((parameter, ParamSpec) pairs), from hp's flags."""
+    """The --matrix_optimizer `name` over `params` ((parameter, ParamSpec) pairs), from hp's
+    flags."""
     cls, flags = OPTIMIZERS[name]
     return cls(params, **{argument: getattr(hp, flag) for argument, flag in flags.items()})

@@ -2943,16 +2943,18 @@ def parse_bool(text):
 
 
 def build_arg_parser(prog="train_gpt.py", hp_class=None):
-    """--preset and one flag per field of `hp_class` (Hyperparameters, or track 3's), grouped by sections."""
+    """--preset and one flag per field of `hp_class` (Hyperparameters, or track 3's), grouped by
+    sections."""
     hp_class = hp_class or Hyperparameters
     sections = {**HP_SECTIONS, **getattr(sys.modules[hp_class.__module__], "HP_SECTIONS", {})}
     parser = argparse.ArgumentParser(
         prog=prog, allow_abbrev=False,  # --num_layer must not silently mean --num_layers
-        description="Train the speedrun GPT. Every field of Hyperparameters is a flag; the --preset's "
-                    "values are applied first, then the flags. Track 3's optimizers add their flags "
-                    "with --matrix_optimizer NAME (see docs/track3.md).",
+        description="Train the speedrun GPT. Every field of Hyperparameters is a flag; the "
+                    "--preset's values are applied first, then the flags. Track 3's optimizers add "
+                    "their flags with --matrix_optimizer NAME (see docs/track3.md).",
     )
-    hint = "" if hp_class is not Hyperparameters else "; track 3's flags need --matrix_optimizer NAME"
+    hint = ("" if hp_class is not Hyperparameters
+            else "; track 3's flags need --matrix_optimizer NAME")
 
     def one_line_error(message):  # instead of the ~25-line usage that buries the message
         more = hint if message.startswith("unrecognized arguments") else ""
@@ -2977,7 +2979,8 @@ def flag_options(f):
     default = f.default
     options = dict(default=None, help=f"{f.metadata['help']} (default: {default})")
     if isinstance(default, bool):
-        options.update(type=parse_bool, metavar="BOOL", nargs="?", const=True)  # a bare --force: true
+        # a bare --force: true
+        options.update(type=parse_bool, metavar="BOOL", nargs="?", const=True)
     elif f.metadata.get("layers"):
         options.update(type=int, nargs="*", metavar="LAYER")  # no value: none
     elif isinstance(default, tuple):
@@ -2995,7 +2998,8 @@ def hyperparameter_class(argv):
     probe.add_argument("--matrix_optimizer", nargs="?")
     probe.add_argument("--preset", nargs="?")
     known = probe.parse_known_args(argv)[0]
-    name = known.matrix_optimizer or PRESETS.get(known.preset, {}).get("matrix_optimizer", "normuon")
+    name = (known.matrix_optimizer
+            or PRESETS.get(known.preset, {}).get("matrix_optimizer", "normuon"))
     return Hyperparameters if name == "normuon" else load_companion("track3.py").Hyperparameters
 
 
@@ -3027,7 +3031,8 @@ def parse_args(argv=None):
 # it: track3.py (--matrix_optimizer other than normuon) and ngram_prior.py (--ngram_prior above 0).
 # The log carries each file a run loads after the script (run_source).
 def companion_files(hp):
-    return ["track3.py"] * (hp.matrix_optimizer != "normuon") + ["ngram_prior.py"] * (hp.ngram_prior > 0)
+    return (["track3.py"] * (hp.matrix_optimizer != "normuon")
+            + ["ngram_prior.py"] * (hp.ngram_prior > 0))
 
 
 def load_companion(name):
@@ -3050,21 +3055,24 @@ def load_companion(name):
 
 # (flags, test, what the test means): applied to every value of a tuple flag
 VALUE_RULES = [
-    (("val_tokens", "val_batch_size", "vocab_size", "num_layers", "num_heads", "head_dim", "model_dim",
-      "num_scheduled_iterations", "batch_sizes", "max_seq_len", "grad_accum_base", "window_block_tokens",
-      "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps", "bigram_dim", "softcap_scale",
-      "head_fp8_amax"), lambda v: v > 0, "must be positive"),
+    (("val_tokens", "val_batch_size", "vocab_size", "num_layers", "num_heads", "head_dim",
+      "model_dim", "num_scheduled_iterations", "batch_sizes", "max_seq_len", "grad_accum_base",
+      "window_block_tokens", "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps",
+      "bigram_dim", "softcap_scale", "head_fp8_amax"), lambda v: v > 0, "must be positive"),
     (("num_extension_iterations", "val_loss_every", "warmup_steps", "save_every", "cpu_threads",
-      "micro_batch_tokens", "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps", "muon_wd",
-      "adam_wd", "lr_multipliers", "final_lr_multiplier", "bigram_vocab_size", "bigram_sign_rows",
-      "value_embed_std", "mudd_dim", "first_stage_max_seq_len", "mtp_weights_start", "mtp_weights_end",
-      "value_embed_tables", "ngram_prior"), lambda v: v >= 0, "must be >= 0"),
-    (("untie_stage",), lambda v: -1 <= v <= 3, "must be a stage (0-2, 3: the extension) or -1 (never)"),
+      "micro_batch_tokens", "muon_momentum_warmup_steps", "muon_momentum_cooldown_steps",
+      "muon_wd", "adam_wd", "lr_multipliers", "final_lr_multiplier", "bigram_vocab_size",
+      "bigram_sign_rows", "value_embed_std", "mudd_dim", "first_stage_max_seq_len",
+      "mtp_weights_start", "mtp_weights_end", "value_embed_tables", "ngram_prior"),
+     lambda v: v >= 0, "must be >= 0"),
+    (("untie_stage",), lambda v: -1 <= v <= 3,
+     "must be a stage (0-2, 3: the extension) or -1 (never)"),
     (("window_blocks", "extension_window_blocks"), lambda v: v >= 2,
      "must be at least 2 (short window = long // 2 blocks)"),
     (("muon_momentum", "muon_beta2", "adam_betas"), lambda v: 0 <= v < 1, "must be in [0, 1)"),
     (("cooldown_frac",), lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    (("ngram_prior_order",), lambda v: 2 <= v <= MAX_NGRAM_ORDER, f"must be in 2 ... {MAX_NGRAM_ORDER}"),
+    (("ngram_prior_order",), lambda v: 2 <= v <= MAX_NGRAM_ORDER,
+     f"must be in 2 ... {MAX_NGRAM_ORDER}"),
     (("seed",), lambda v: 0 <= v < 2 ** 63, "must be in [0, 2^63)"),
 ]
 
@@ -3085,64 +3093,83 @@ def check_hyperparameters(hp):
     """Reject impossible values and combinations before any work, naming the flag."""
     for f in fields(hp):
         value = getattr(hp, f.name)
-        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, tuple) else [value])):
+        if any(isinstance(v, float) and not math.isfinite(v)
+               for v in (value if isinstance(value, tuple) else [value])):
             raise ConfigError(f"--{f.name} must be finite, got {value}")
     for names, ok, meaning in value_rules(hp):
         for name in names:
             value = getattr(hp, name)
             if not all(ok(v) for v in (value if isinstance(value, tuple) else [value])):
                 raise ConfigError(f"--{name} {meaning}, got {_flag_text(value)}")
-    for name, count, meaning in (("batch_sizes", 3, "one per third of the run"), ("lr_multipliers", 3, "one per third"),
-                                 ("window_blocks", 3, "one per third"), ("head_fp8_amax", 3, "activations, weights, "
-                                 "gradients"), ("mtp_weights_start", 3 * MTP_HORIZON, "3 tokens x 3 stages"),
+    for name, count, meaning in (("batch_sizes", 3, "one per third of the run"),
+                                 ("lr_multipliers", 3, "one per third"),
+                                 ("window_blocks", 3, "one per third"),
+                                 ("head_fp8_amax", 3, "activations, weights, gradients"),
+                                 ("mtp_weights_start", 3 * MTP_HORIZON, "3 tokens x 3 stages"),
                                  ("mtp_weights_end", 3 * MTP_HORIZON, "3 tokens x 3 stages")):
         if len(getattr(hp, name)) != count:
-            raise ConfigError(f"--{name} needs exactly {count} values ({meaning}), got {_flag_text(getattr(hp, name))}")
+            raise ConfigError(f"--{name} needs exactly {count} values ({meaning}), got "
+                              f"{_flag_text(getattr(hp, name))}")
     if hp.val_tokens % hp.val_batch_size:
-        raise ConfigError(f"--val_tokens {hp.val_tokens} must be a multiple of --val_batch_size {hp.val_batch_size}")
+        raise ConfigError(f"--val_tokens {hp.val_tokens} must be a multiple of --val_batch_size "
+                          f"{hp.val_batch_size}")
     if hp.vocab_size <= BOS_ID:
-        raise ConfigError(f"--vocab_size {hp.vocab_size} must exceed {BOS_ID}, the shards' document-start token (GPT-2 ids)")
+        raise ConfigError(f"--vocab_size {hp.vocab_size} must exceed {BOS_ID}, the shards' "
+                          f"document-start token (GPT-2 ids)")
     prior_bound = PRIOR_EXP_FLOOR / math.log(hp.vocab_size)
     if hp.ngram_prior > prior_bound:
-        raise ConfigError(f"--ngram_prior {hp.ngram_prior:g} is above {prior_bound:.4g}: the CPU loss sums exp of the "
-                          f"logits in fp32, and under the prior a token's likeliest successor may have P = 1/"
-                          f"{hp.vocab_size}, so the weight x ln({hp.vocab_size}) must stay below {PRIOR_EXP_FLOOR:g} "
-                          f"(else exp underflows to 0 and the loss is -inf); use a weight up to {prior_bound:.4g}")
+        raise ConfigError(f"--ngram_prior {hp.ngram_prior:g} is above {prior_bound:.4g}: the CPU "
+                          f"loss sums exp of the logits in fp32, and under the prior a token's "
+                          f"likeliest successor may have P = 1/{hp.vocab_size}, so the weight x "
+                          f"ln({hp.vocab_size}) must stay below {PRIOR_EXP_FLOOR:g} (else exp "
+                          f"underflows to 0 and the loss is -inf); use a weight up to "
+                          f"{prior_bound:.4g}")
     if hp.num_heads * hp.head_dim != hp.model_dim:
-        raise ConfigError(f"--num_heads x --head_dim must equal --model_dim (the merged QKVO weight applies O as a "
-                          f"{hp.model_dim} x {hp.model_dim} map); got {hp.num_heads} x {hp.head_dim} vs {hp.model_dim}")
+        raise ConfigError(f"--num_heads x --head_dim must equal --model_dim (the merged QKVO "
+                          f"weight applies O as a {hp.model_dim} x {hp.model_dim} map); got "
+                          f"{hp.num_heads} x {hp.head_dim} vs {hp.model_dim}")
     if hp.model_dim < GATE_INPUTS:
-        raise ConfigError(f"--model_dim {hp.model_dim} is below {GATE_INPUTS}: the smear and attention gates read the "
-                          f"first {GATE_INPUTS} channels")
+        raise ConfigError(f"--model_dim {hp.model_dim} is below {GATE_INPUTS}: the smear and "
+                          f"attention gates read the first {GATE_INPUTS} channels")
     if hp.head_dim % 4:
-        raise ConfigError(f"--head_dim must be a multiple of 4 (half-truncated RoPE splits it in quarters), got {hp.head_dim}")
+        raise ConfigError(f"--head_dim must be a multiple of 4 (half-truncated RoPE splits it in "
+                          f"quarters), got {hp.head_dim}")
     longest_window = max(*hp.window_blocks, hp.extension_window_blocks) * hp.window_block_tokens
     if longest_window > hp.max_seq_len:
-        raise ConfigError(f"the longest training window ({longest_window} tokens = --window_blocks/--extension_window_blocks "
-                          f"x --window_block_tokens) exceeds --max_seq_len {hp.max_seq_len}; shrink the window")
-    if hp.first_stage_max_seq_len and hp.window_blocks[0] * hp.window_block_tokens > hp.first_stage_max_seq_len:
-        raise ConfigError(f"the first third's window ({hp.window_blocks[0] * hp.window_block_tokens} tokens) exceeds "
-                          f"--first_stage_max_seq_len {hp.first_stage_max_seq_len}; shrink the window")
+        raise ConfigError(f"the longest training window ({longest_window} tokens = "
+                          f"--window_blocks/--extension_window_blocks x --window_block_tokens) "
+                          f"exceeds --max_seq_len {hp.max_seq_len}; shrink the window")
+    if (hp.first_stage_max_seq_len
+            and hp.window_blocks[0] * hp.window_block_tokens > hp.first_stage_max_seq_len):
+        raise ConfigError(f"the first third's window "
+                          f"({hp.window_blocks[0] * hp.window_block_tokens} tokens) exceeds "
+                          f"--first_stage_max_seq_len {hp.first_stage_max_seq_len}; shrink the "
+                          f"window")
     if hp.bigram_vocab_size == 1 or (hp.bigram_vocab_size and hp.bigram_dim > hp.model_dim):
-        raise ConfigError(f"--bigram_vocab_size must be 0 (off) or at least 2 and --bigram_dim at most --model_dim, got "
-                          f"{hp.bigram_vocab_size} and {hp.bigram_dim}")
+        raise ConfigError(f"--bigram_vocab_size must be 0 (off) or at least 2 and --bigram_dim at "
+                          f"most --model_dim, got {hp.bigram_vocab_size} and {hp.bigram_dim}")
     if 0 < hp.micro_batch_tokens < MIN_MICRO_BATCH_TOKENS:
-        raise ConfigError(f"--micro_batch_tokens {hp.micro_batch_tokens} is below {MIN_MICRO_BATCH_TOKENS}, the smallest "
-                          f"cap: every piece also runs up to --max_seq_len tokens of context, so smaller pieces cost a "
-                          f"forward of mostly context each; pass 0 (no cap) or at least {MIN_MICRO_BATCH_TOKENS}")
+        raise ConfigError(f"--micro_batch_tokens {hp.micro_batch_tokens} is below "
+                          f"{MIN_MICRO_BATCH_TOKENS}, the smallest cap: every piece also runs up "
+                          f"to --max_seq_len tokens of context, so smaller pieces cost a forward "
+                          f"of mostly context each; pass 0 (no cap) or at least "
+                          f"{MIN_MICRO_BATCH_TOKENS}")
     if hp.save_every % 2:
-        raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall between them), got {hp.save_every}")
+        raise ConfigError(f"--save_every must be even (Adam steps on odd steps; checkpoints fall "
+                          f"between them), got {hp.save_every}")
     if hp.device not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"--device must be one of auto, cuda, cpu, got {hp.device!r}")
     if hp.fp8 not in ("auto", "on", "off"):
         raise ConfigError(f"--fp8 must be auto, on or off, got {hp.fp8!r}")
     if hp.profile and not _parse_profile_range(hp.profile):
-        raise ConfigError(f"--profile must look like START:END with 0 <= START < END, got {hp.profile!r}")
+        raise ConfigError(f"--profile must look like START:END with 0 <= START < END, got "
+                          f"{hp.profile!r}")
     if hp.resume == "auto" and not hp.run_id:
-        raise ConfigError("--resume auto needs --run_id (it finds the run's checkpoints and log by it); pass the same "
-                          "--run_id to every start of the run")
+        raise ConfigError("--resume auto needs --run_id (it finds the run's checkpoints and log by "
+                          "it); pass the same --run_id to every start of the run")
     if hp.run_id and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", hp.run_id):
-        raise ConfigError(f"--run_id may hold letters, digits, '.', '_' and '-', not first (it names a file), got {hp.run_id!r}")
+        raise ConfigError(f"--run_id may hold letters, digits, '.', '_' and '-', not first (it "
+                          f"names a file), got {hp.run_id!r}")
     layer_roles_of(hp)  # raises ConfigError for depths and layer lists without a valid layout
 
 
@@ -3163,10 +3190,10 @@ def _parse_profile_range(text):
 
 
 def shard_fingerprint(path):
-    """(size in bytes, sha256 of the header and of 64 blocks of 4 KiB spread evenly over the tokens): what a
-    checkpoint records of each training shard, so that another shard under the same name is noticed on resume and
-    by tools/sample.py. A shard up to 257 KiB is hashed whole; in a larger one an edit between the blocks goes
-    unseen (a cheap check: 65 reads whatever the size)."""
+    """(size in bytes, sha256 of the header and of 64 blocks of 4 KiB spread over the tokens), as
+    checkpoints record each training shard: a swapped shard is noticed on resume and by
+    tools/sample.py. Cheap (65 reads); an edit between the blocks of a shard over 257 KiB goes
+    unseen."""
     header_bytes = SHARD_HEADER_INTS * 4
     digest = hashlib.sha256()
     try:
@@ -3187,11 +3214,12 @@ def write_shard(path, tokens):
     removed on failure, renamed into place on success."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
-        raise DataError(f"{path}: refusing to write a {tokens.ndim}-D array of {tokens.dtype}: tokens must be a 1-D "
-                        f"array of integer ids")
+        raise DataError(f"{path}: refusing to write a {tokens.ndim}-D array of {tokens.dtype}: "
+                        f"tokens must be a 1-D array of integer ids")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= GPT2_VOCAB_SIZE):
         bad = tokens.min() if tokens.min() < 0 else tokens.max()
-        raise DataError(f"{path}: refusing to write token id {bad}: ids must be in [0, {GPT2_VOCAB_SIZE})")
+        raise DataError(f"{path}: refusing to write token id {bad}: ids must be in [0, "
+                        f"{GPT2_VOCAB_SIZE})")
     header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
     header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
     write_atomically(Path(path), header.tobytes() + tokens.astype("<u2").tobytes())
@@ -3203,7 +3231,8 @@ def write_atomically(path, data):
     host and process, so remove_stale_temp_files can tell a killed write from a running one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}~{platform.node()}~{os.getpid()}~{uuid.uuid4().hex[:8]}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # usual permissions, unlike mkstemp's 0600
+    # usual permissions, unlike mkstemp's 0600
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -3235,65 +3264,76 @@ def remove_stale_temp_files(folder):
 
 
 def log_arguments(log, argv, hp, continuing):
-    """The run's arguments, and for a new run its hyperparameters, in the log file (not on the console)."""
-    log(f"{'continued by --resume auto with args' if continuing else 'args'}: {json.dumps(list(argv))}", console=False)
+    """The run's arguments, and for a new run its hyperparameters, in the log file (not on the
+    console)."""
+    log(f"{'continued by --resume auto with args' if continuing else 'args'}: "
+        f"{json.dumps(list(argv))}", console=False)
     if not continuing:
         log(f"hyperparameters: {dataclasses.asdict(hp)}", console=False)
 
 
 def pieces_line(stage, tokens, positions, cut, cap):
-    return (f"stage {stage} pieces: {tokens:,} tokens in {positions:,} positions ({1 - tokens / positions:.1%} padding "
-            f"and context); documents longer than --micro_batch_tokens {cap}, cut: {cut}")
+    return (f"stage {stage} pieces: {tokens:,} tokens in {positions:,} positions "
+            f"({1 - tokens / positions:.1%} padding and context); documents longer than "
+            f"--micro_batch_tokens {cap}, cut: {cut}")
 
 
 def describe_pieces(pieces):
-    return ", ".join(f"{tokens:,} uncut" if length == tokens else f"{tokens:,} in pieces of {length:,} positions"
+    return ", ".join(f"{tokens:,} uncut" if length == tokens
+                     else f"{tokens:,} in pieces of {length:,} positions"
                      for tokens, length in pieces)
 
 
 def check_batch_splits(hp, world_size, accum):
-    """Every training and the validation batch splits evenly over ranks and micro-steps (else one line)."""
+    """Every training and the validation batch splits evenly over ranks and micro-steps (else one
+    line)."""
     for b in hp.batch_sizes:
         tokens_per_rank(b, world_size, accum)
     tokens_per_rank(hp.val_batch_size, world_size, accum, what="--val_batch_size")
 
 
-DATA_WALK_MAX_TOKENS = 1 << 26  # shards walked through before the first step when they hold no more (~0.2 s of reading)
+# shards walked through before the first step when they hold no more (~0.2 s of reading)
+DATA_WALK_MAX_TOKENS = 1 << 26
 
 
 def check_shards_last(hp, files, shard_tokens, world_size, accum):
-    """Refuse, before the first step, training shards that run out before the last one: shards that hold fewer
-    tokens than the run takes (each micro-step its tokens and one more target per rank), or, where they are few
-    enough to read at once, the loader's own walk over their documents (step_shards_run_out)."""
+    """Refuse, before the first step, training shards that run out before the last one: shards that
+    hold fewer tokens than the run takes (each micro-step its tokens and one more target per rank),
+    or, where they are few enough to read at once, the loader's own walk over their documents
+    (step_shards_run_out)."""
     total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
-    fix = "add training shards, shorten the run (--num_scheduled_iterations) or pass --cycle_data true"
+    fix = ("add training shards, shorten the run (--num_scheduled_iterations) or pass "
+           "--cycle_data true")
     needed = sum((stage.end_step - stage.first_step) * (stage.batch_tokens + world_size * accum)
                  for stage in Schedule(hp).stages)
     if sum(shard_tokens) < needed:
-        raise DataError(f"the {len(files)} training shard(s) hold {sum(shard_tokens):,} tokens, but the run's "
-                        f"{total_steps} steps take at least {needed:,}; {fix}")
-    step = step_shards_run_out(hp, files, world_size, accum) if sum(shard_tokens) <= DATA_WALK_MAX_TOKENS else None
+        raise DataError(f"the {len(files)} training shard(s) hold {sum(shard_tokens):,} tokens, "
+                        f"but the run's {total_steps} steps take at least {needed:,}; {fix}")
+    step = (step_shards_run_out(hp, files, world_size, accum)
+            if sum(shard_tokens) <= DATA_WALK_MAX_TOKENS else None)
     if step is not None:
-        raise DataError(f"the {len(files)} training shard(s) ({sum(shard_tokens):,} tokens) run out at step {step} of "
-                        f"{total_steps}: a micro-step takes whole documents of at most --max_seq_len tokens from one "
-                        f"shard and skips the rest of each; {fix}")
+        raise DataError(f"the {len(files)} training shard(s) ({sum(shard_tokens):,} tokens) run "
+                        f"out at step {step} of {total_steps}: a micro-step takes whole documents "
+                        f"of at most --max_seq_len tokens from one shard and skips the rest of "
+                        f"each; {fix}")
 
 
 def step_shards_run_out(hp, files, world_size, accum):
-    """The first step whose micro-steps the shards cannot fill, walking their documents as TrainLoader.next_pieces
-    does (plan_pieces, from one shard to the next; nothing gathered), or None if they last the run."""
+    """The first step whose micro-steps the shards cannot fill, walking their documents as
+    TrainLoader.next_pieces does (plan_pieces, from one shard to the next; nothing gathered), or
+    None if they last the run."""
     shard, cursor, bos, size = -1, 0, np.zeros(0, dtype=np.int64), 0
     for stage in Schedule(hp).stages:
         rank_tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
-        # the documents a micro-step can need (each gives a token at least): plan_pieces sees only those, so that a
-        # call costs the micro-step's documents, not the rest of the shard's
+        # the documents a micro-step can need (each gives a token at least): plan_pieces sees only
+        # those, so that a call costs the micro-step's documents, not the rest of the shard's
         window = world_size * (rank_tokens + 1) + 1
         for step in range(stage.first_step, stage.end_step):
             for _ in range(accum):
                 while True:
                     end = int(bos[cursor + window]) if cursor + window < bos.size else size
-                    plan = plan_pieces(bos[: cursor + window], end, cursor, world_size, rank_tokens + 1,
-                                       stage.max_seq_len) if bos.size else None
+                    plan = plan_pieces(bos[: cursor + window], end, cursor, world_size,
+                                       rank_tokens + 1, stage.max_seq_len) if bos.size else None
                     if plan is not None:
                         break
                     shard, cursor = shard + 1, 0
@@ -3312,13 +3352,14 @@ def step_shards_run_out(hp, files, world_size, accum):
 
 SEPARATOR = "=" * 100
 CHECKPOINT_MAGIC = b"SPEEDRUN-CKPT-1\n"
-CHECKPOINT_KEYS = {"step", "training_time_ms", "tokens_seen", "model", "matrix", "adam", "loader", "rng", "script_sha256",
-                   "world_size", "hyperparameters"}
+CHECKPOINT_KEYS = {"step", "training_time_ms", "tokens_seen", "model", "matrix", "adam", "loader",
+                   "rng", "script_sha256", "world_size", "hyperparameters"}
 # A run stopped by SIGTERM/SIGUSR1 after writing its checkpoint exits with EX_TEMPFAIL of sysexits.h
 # ("try again later"): not 0 (the run is not done), not 1 (a crash) or 2 (bad input).
 PREEMPTED_EXIT_CODE = 75
 # Dense bf16 peak FLOP/s assumed for MFU (vendor figures, no sparsity), by device-name substring.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12,
+              "4090": 165e12}
 
 
 class RunLog:
@@ -3344,10 +3385,11 @@ class RunLog:
             try:
                 with f:
                     f.write(run_source(self.hp))
-                    f.write(f"{SEPARATOR}\n{environment_report()}script_sha256 {script_sha256(self.hp)}\n"
-                            f"{SEPARATOR}\n")
+                    f.write(f"{SEPARATOR}\n{environment_report()}script_sha256 "
+                            f"{script_sha256(self.hp)}\n{SEPARATOR}\n")
             except BaseException as e:  # (a full disk, a stop signal, Ctrl-C)
-                self.path.unlink(missing_ok=True)  # a cut header would take the run id and record nothing
+                # a cut header would take the run id and record nothing
+                self.path.unlink(missing_ok=True)
                 raise naming_file(e, self.path) if isinstance(e, OSError) else e
         waiting, self.waiting = self.waiting, None
         for line, console in waiting:
@@ -3371,16 +3413,18 @@ class RunLog:
             raise naming_file(e, self.path) from None
 
     def record_ending(self, line):
-        """Append the line that ends a failed or stopped run, if the log is open and can still be written."""
+        """Append the line that ends a failed or stopped run, if the log is open and can still be
+        written."""
         if self.enabled and self.waiting is None:
             with contextlib.suppress(OSError):
                 self._append(line)
 
 
 class RunLock:
-    """One process at a time trains a run id: rank 0 holds an exclusive flock on <log_dir>/<run_id>.lock
-    for the run's life. The kernel drops the lock when the process dies, so a lock left by a killed run is
-    no obstacle; the file names the holder's host and pid for the one refused."""
+    """One process at a time trains a run id: rank 0 holds an exclusive flock on
+    <log_dir>/<run_id>.lock for the run's life. The kernel drops the lock when the process dies, so
+    a lock left by a killed run is no obstacle; the file names the holder's host and pid for the one
+    refused."""
 
     def __init__(self, path, log_dir):
         self.path, self.log_dir, self.fd, self.made = Path(path), log_dir, None, []
@@ -3396,9 +3440,11 @@ class RunLock:
             except BlockingIOError:
                 holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
                 os.close(fd)
-                raise ConfigError(f"the run {self.path.name[:-5]!r} is being trained by {holder} (it holds {self.path}); "
-                                  f"wait for that process to end or stop it, or pass another --run_id") from None
-            try:  # the holder before us may have removed the file after we opened it: lock the file that is there
+                raise ConfigError(f"the run {self.path.name[:-5]!r} is being trained by {holder} "
+                                  f"(it holds {self.path}); wait for that process to end or stop "
+                                  f"it, or pass another --run_id") from None
+            # the holder before us may have removed the file after we opened it: lock the one there
+            try:
                 same = os.path.samestat(os.fstat(fd), os.stat(self.path))
             except FileNotFoundError:
                 same = False
@@ -3411,7 +3457,8 @@ class RunLock:
         return self
 
     def __exit__(self, *exc):
-        self.path.unlink(missing_ok=True)  # (before the lock goes: a waiting opener then retries a new file)
+        # (before the lock goes: a waiting opener then retries a new file)
+        self.path.unlink(missing_ok=True)
         os.close(self.fd)
         for folder in self.made:  # only folders the lock itself made, and only while empty
             with contextlib.suppress(OSError):
@@ -3419,9 +3466,9 @@ class RunLock:
 
 
 def to_console(line, stream):
-    """Print a line, flushed. A console that is gone (the terminal closed: SIGHUP; a closed pipe) is let go: its
-    file descriptor then points at the null device (so no later write or the exit's flush fails: the log keeps
-    every line)."""
+    """Print a line, flushed. A console that is gone (the terminal closed: SIGHUP; a closed pipe) is
+    let go: its file descriptor then points at the null device (so no later write or the exit's
+    flush fails: the log keeps every line)."""
     try:
         print(line, file=stream, flush=True)
     except OSError:
@@ -3432,33 +3479,40 @@ def to_console(line, stream):
 
 
 def run_id_taken(path):
-    return (f"{path} exists: the run id {path.stem!r} is taken; pass another --run_id (or none for a fresh one), "
-            f"or --resume auto to continue that run")
+    return (f"{path} exists: the run id {path.stem!r} is taken; pass another --run_id (or none for "
+            f"a fresh one), or --resume auto to continue that run")
 
 
 def naming_file(error, path):
-    """`error` with `path` as its file name when it has none (a write to a full disk names no file)."""
-    return error if error.filename or error.errno is None else OSError(error.errno, error.strerror, str(path))
+    """`error` with `path` as its file name when it has none (a write to a full disk names no
+    file)."""
+    return (error if error.filename or error.errno is None
+            else OSError(error.errno, error.strerror, str(path)))
 
 
 def environment_report():
-    lines = [f"python {platform.python_version()}  torch {torch.__version__}  cuda {torch.version.cuda}  "
-             f"triton {triton.__version__ if HAS_TRITON else 'not installed'}  host {platform.node()}"]
+    lines = [f"python {platform.python_version()}  torch {torch.__version__}  cuda "
+             f"{torch.version.cuda}  triton "
+             f"{triton.__version__ if HAS_TRITON else 'not installed'}  host {platform.node()}"]
     try:
-        lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout.rstrip())
+        lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True,
+                                    timeout=20).stdout.rstrip())
     except (OSError, subprocess.SubprocessError):
-        cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                    if l.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+        cpu = next((l.split(":", 1)[1].strip()
+                    for l in Path("/proc/cpuinfo").read_text().splitlines()
+                    if l.startswith("model name")), platform.processor()) \
+            if Path("/proc/cpuinfo").exists() else platform.processor()
         lines.append(f"no nvidia-smi; CPU: {cpu}, {os.cpu_count()} cores")
     return "\n".join(lines) + "\n"
 
 
-COMPANION_HEADER = "\n\n{dashes}\n# {name}\n{dashes}\n\n"  # before each companion file, as #89's logs
+# before each companion file, as #89's logs
+COMPANION_HEADER = "\n\n{dashes}\n# {name}\n{dashes}\n\n"
 
 
 def run_source(hp):
-    """The code of a run as its log carries it (always ending with a newline): this script, then each
-    companion file the run loads (companion_files) under COMPANION_HEADER."""
+    """The code of a run as its log carries it (always ending with a newline): this script, then
+    each companion file the run loads (companion_files) under COMPANION_HEADER."""
     source = Path(__file__).read_text(encoding="utf-8")
     for name in companion_files(hp):
         source += COMPANION_HEADER.format(dashes="-" * 40, name=name)
@@ -3467,7 +3521,8 @@ def run_source(hp):
 
 
 def script_sha256(hp):
-    """The sha256 of the logged code: written into logs and checkpoints, checked on replay and resume."""
+    """The sha256 of the logged code: written into logs and checkpoints, checked on replay and
+    resume."""
     return hashlib.sha256(run_source(hp).encode("utf-8")).hexdigest()
 
 
@@ -3477,7 +3532,8 @@ def save_checkpoint(path, payload):
     torch.save(payload, buffer)
     data = buffer.getvalue()
     try:
-        write_atomically(Path(path), CHECKPOINT_MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
+        write_atomically(Path(path), CHECKPOINT_MAGIC + hashlib.sha256(data).hexdigest().encode()
+                         + b"\n" + data)
     except OSError as e:
         raise naming_file(e, path) from None
 
@@ -3489,32 +3545,38 @@ def load_checkpoint(path):
         raise DataError(f"{path}: cannot read checkpoint ({e.strerror})")
     header_len = len(CHECKPOINT_MAGIC) + 65
     if not raw.startswith(CHECKPOINT_MAGIC) or len(raw) < header_len:
-        raise DataError(f"{path}: not a speedrun checkpoint (bad header); pass a checkpoint train_gpt.py wrote "
-                        f"(--save_every, --save_checkpoint or a stop signal: step_NNNNNN.pt, final.pt)")
+        raise DataError(f"{path}: not a speedrun checkpoint (bad header); pass a checkpoint "
+                        f"train_gpt.py wrote (--save_every, --save_checkpoint or a stop signal: "
+                        f"step_NNNNNN.pt, final.pt)")
     digest, data = raw[len(CHECKPOINT_MAGIC): header_len - 1].decode(), raw[header_len:]
     if hashlib.sha256(data).hexdigest() != digest:
-        raise DataError(f"{path}: checkpoint is corrupt or truncated (checksum mismatch); use an earlier checkpoint")
+        raise DataError(f"{path}: checkpoint is corrupt or truncated (checksum mismatch); use an "
+                        f"earlier checkpoint")
     try:
         snap = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as e:  # a sound file whose contents this torch cannot read
-        raise DataError(f"{path}: cannot load the checkpoint ({type(e).__name__}); it may come from another torch version")
+        raise DataError(f"{path}: cannot load the checkpoint ({type(e).__name__}); it may come "
+                        f"from another torch version")
     missing = CHECKPOINT_KEYS - set(snap) if isinstance(snap, dict) else CHECKPOINT_KEYS
     if missing:
-        raise DataError(f"{path}: not a checkpoint of this trainer (missing {', '.join(sorted(missing))})")
+        raise DataError(f"{path}: not a checkpoint of this trainer (missing "
+                        f"{', '.join(sorted(missing))})")
     return snap
 
 
 def saved_checkpoints(folder):
-    """The checkpoints of a run's folder (step_NNNNNN.pt from --save_every or a stop signal, final.pt),
-    newest first."""
-    found = [(math.inf if m[0] == "final" else int(m[1]), path) for path in Path(folder).glob("*.pt")
+    """The checkpoints of a run's folder (step_NNNNNN.pt from --save_every or a stop signal,
+    final.pt), newest first."""
+    found = [(math.inf if m[0] == "final" else int(m[1]), path)
+             for path in Path(folder).glob("*.pt")
              if (m := re.fullmatch(r"step_(\d+)|final", path.stem))]
     return [path for _, path in sorted(found, reverse=True)]
 
 
 def newest_sound_checkpoint(folder, warn):
-    """(path, snapshot) of the newest checkpoint in `folder` that verifies, each newer one skipped with a
-    warning; (None, None) when there is none. Checkpoints that all fail to verify are an error."""
+    """(path, snapshot) of the newest checkpoint in `folder` that verifies, each newer one skipped
+    with a warning; (None, None) when there is none. Checkpoints that all fail to verify are an
+    error."""
     paths = saved_checkpoints(folder)
     for path in paths:
         try:
@@ -3522,22 +3584,26 @@ def newest_sound_checkpoint(folder, warn):
         except DataError as e:
             warn(f"warning: {e} (--resume auto skips it)")
     if paths:
-        raise DataError(f"none of the {len(paths)} checkpoints in {folder} verifies; pass --resume with a sound one, "
-                        f"or move them away to start the run afresh")
+        raise DataError(f"none of the {len(paths)} checkpoints in {folder} verifies; pass --resume "
+                        f"with a sound one, or move them away to start the run afresh")
     return None, None
 
 
 # Settings that may differ when resuming: they do not change the training trajectory, except
 # micro_batch_tokens, which only changes the pieces micro-steps run as (resuming logs the change).
-RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force", "profile", "cpu_threads",
-                     "val_loss_every", "warmup_steps", "device", "compile", "fp8", "seed", "train_files", "val_files",
-                     "synthetic_fallback", "cycle_data", "val_tokens", "val_batch_size", "micro_batch_tokens"}
-MODEL_SHAPE_FLAGS = ("vocab_size", "num_layers", "num_heads", "head_dim", "model_dim", "matrix_optimizer")
+RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force",
+                     "profile", "cpu_threads", "val_loss_every", "warmup_steps", "device",
+                     "compile", "fp8", "seed", "train_files", "val_files", "synthetic_fallback",
+                     "cycle_data", "val_tokens", "val_batch_size", "micro_batch_tokens"}
+MODEL_SHAPE_FLAGS = ("vocab_size", "num_layers", "num_heads", "head_dim", "model_dim",
+                     "matrix_optimizer")
 
 
 def _flags(values, names):
-    return ", ".join(f"--{name} {_flag_text(tuple(values[name]) if isinstance(values[name], list) else values[name])}"
-                     for name in names)
+    return ", ".join(
+        f"--{name} "
+        f"{_flag_text(tuple(values[name]) if isinstance(values[name], list) else values[name])}"
+        for name in names)
 
 
 def trajectory_changes(ours, theirs, free=RESUME_FREE_FLAGS):
@@ -3551,83 +3617,95 @@ def check_resumable(path, snap, hp, total_steps):
     theirs = {"matrix_optimizer": "normuon", **theirs}
     shape = [name for name in MODEL_SHAPE_FLAGS if ours[name] != theirs.get(name)]
     if shape:
-        raise ConfigError(f"{path} holds a model and optimizer state with {_flags(theirs, shape)} but this run has "
-                          f"{_flags(ours, shape)}; pass the checkpoint's settings to resume it")
+        raise ConfigError(f"{path} holds a model and optimizer state with {_flags(theirs, shape)} "
+                          f"but this run has {_flags(ours, shape)}; pass the checkpoint's settings "
+                          f"to resume it")
     if snap["step"] > total_steps:
-        raise ConfigError(f"{path} is at step {snap['step']}, past this run's last step {total_steps}; "
-                          f"resume an earlier checkpoint or lengthen the run")
+        raise ConfigError(f"{path} is at step {snap['step']}, past this run's last step "
+                          f"{total_steps}; resume an earlier checkpoint or lengthen the run")
     if hp.force:
         return
     if snap["script_sha256"] != script_sha256(hp):
-        raise ConfigError(f"{path} was written by a different train_gpt.py; pass --force to resume anyway")
+        raise ConfigError(f"{path} was written by a different train_gpt.py; pass --force to resume "
+                          f"anyway")
     changed = trajectory_changes(ours, theirs)
     if changed:
-        raise ConfigError(f"{path} was written with {_flags(theirs, changed)} but this run has {_flags(ours, changed)}; "
-                          f"pass the same settings, or --force to continue with the new ones")
+        raise ConfigError(f"{path} was written with {_flags(theirs, changed)} but this run has "
+                          f"{_flags(ours, changed)}; pass the same settings, or --force to "
+                          f"continue with the new ones")
 
 
 def shard_difference(loader_state, files, fingerprints):
-    """One line naming the first of `files` whose size or sampled checksum (shard_fingerprint) differs from those a
-    checkpoint's loader state recorded for the shard of its name; None if none does (or none is recorded)."""
-    recorded = dict(zip((Path(f).name for f in loader_state.get("files") or []), loader_state.get("fingerprints") or []))
+    """One line naming the first of `files` whose size or sampled checksum (shard_fingerprint)
+    differs from those a checkpoint's loader state recorded for the shard of its name; None if none
+    does (or none is recorded)."""
+    recorded = dict(zip((Path(f).name for f in loader_state.get("files") or []),
+                        loader_state.get("fingerprints") or []))
     for path, (size, digest) in zip(files, fingerprints):
         theirs = recorded.get(Path(path).name)
         if theirs is None or tuple(theirs) == (size, digest):
             continue
         why = (f"{size:,} bytes where that run read {theirs[0]:,}" if size != theirs[0] else
-               f"the same {size:,} bytes, other contents: sampled sha256 {digest[:12]}, that run's {theirs[1][:12]}")
+               f"the same {size:,} bytes, other contents: sampled sha256 {digest[:12]}, that run's "
+               f"{theirs[1][:12]}")
         return f"{path} is not the training shard the checkpoint's run read under that name ({why})"
     return None
 
 
 def check_same_shards(path, loader_state, loader, force, log):
-    """Refuse, unless --force, to resume on a training shard that is not the one of its name the checkpoint's run
-    read (the next batches, and the --ngram_prior counted from the shards, would not be that run's)."""
+    """Refuse, unless --force, to resume on a training shard that is not the one of its name the
+    checkpoint's run read (the next batches, and the --ngram_prior counted from the shards, would
+    not be that run's)."""
     difference = shard_difference(loader_state, loader.files, loader.fingerprints)
     if difference and not force:
-        raise DataError(f"{difference}; {path} continues only on the shards it was trained on: put that shard back, "
-                        f"or pass --force to continue on this one")
+        raise DataError(f"{difference}; {path} continues only on the shards it was trained on: put "
+                        f"that shard back, or pass --force to continue on this one")
     if difference:
         log(f"warning: {difference}; --force continues on it")
 
 
 def check_log_continues(path, hp, total_steps, checkpoint_folder):
-    """For --resume auto with an existing log: continue it only if it is this run's own, i.e. written by
-    this very script with the same trajectory settings and seed, and the run has not finished (or finished
-    without the final.pt that --save_checkpoint asks for: a stop during its write; the run then continues from
-    its last checkpoint and writes it); otherwise the run id belongs to another run and is refused as taken."""
+    """--resume auto with an existing log: continue it only if it is this run's own (this script,
+    the same trajectory settings and seed) and unfinished (or finished without the final.pt that
+    --save_checkpoint asks for: the run then writes it); else the run id is taken."""
     text = path.read_text(encoding="utf-8", errors="replace")
     head = run_source(hp) + SEPARATOR + "\n"
     if not text.startswith(head):
-        raise ConfigError(f"{path} was written by a different train_gpt.py: the run id {path.stem!r} is taken by "
-                          f"another run; pass another --run_id")
+        raise ConfigError(f"{path} was written by a different train_gpt.py: the run id "
+                          f"{path.stem!r} is taken by another run; pass another --run_id")
     output = text[len(head):].split(SEPARATOR + "\n", 1)[-1]  # after the environment report
-    recorded = next((line for line in output.splitlines() if line.startswith("hyperparameters: ")), "")
+    recorded = next((line for line in output.splitlines()
+                     if line.startswith("hyperparameters: ")), "")
     try:
         theirs = ast.literal_eval(recorded.partition(": ")[2])
     except (ValueError, SyntaxError):
-        raise ConfigError(f"{path} records no readable hyperparameters line, so it cannot be told to be this run's: "
-                          f"the run id {path.stem!r} is taken; pass another --run_id") from None
+        raise ConfigError(f"{path} records no readable hyperparameters line, so it cannot be told "
+                          f"to be this run's: the run id {path.stem!r} is taken; pass another "
+                          f"--run_id") from None
     ours = dataclasses.asdict(hp)
     changed = trajectory_changes(ours, theirs, RESUME_FREE_FLAGS - {"seed"})
     if changed:
         theirs = {name: theirs.get(name, "(not recorded)") for name in changed}
-        raise ConfigError(f"{path} was written with {_flags(theirs, changed)} but this run has {_flags(ours, changed)}: "
-                          f"the run id {path.stem!r} is taken by another run; pass another --run_id")
+        raise ConfigError(f"{path} was written with {_flags(theirs, changed)} but this run has "
+                          f"{_flags(ours, changed)}: the run id {path.stem!r} is taken by another "
+                          f"run; pass another --run_id")
     finished = re.search(rf"^step:{total_steps}/{total_steps} val_loss:", output, re.M)
-    if finished and not (hp.save_checkpoint and not (Path(checkpoint_folder) / "final.pt").exists()):
-        raise ConfigError(f"{path}: the run {path.stem!r} has finished (its log holds the final validation); pass "
-                          f"another --run_id to train again")
+    if finished and not (hp.save_checkpoint
+                         and not (Path(checkpoint_folder) / "final.pt").exists()):
+        raise ConfigError(f"{path}: the run {path.stem!r} has finished (its log holds the final "
+                          f"validation); pass another --run_id to train again")
 
 
 def check_outputs(hp, log_path, checkpoint_folder, total_steps):
-    """Rank 0, before any work: the log and checkpoint folders can be written, and the run id is free
-    or (--resume auto) its log is this run's own. Returns whether the run continues that log."""
+    """Rank 0, before any work: the log and checkpoint folders can be written, and the run id is
+    free or (--resume auto) its log is this run's own. Returns whether the run continues that
+    log."""
     check_writable_folder(log_path.parent, "the log folder", hp.log_dir)
     check_writable_folder(checkpoint_folder, "the checkpoint folder", hp.log_dir)
     if hp.resume != "auto" and hp.run_id and saved_checkpoints(checkpoint_folder):
-        raise ConfigError(f"{checkpoint_folder} holds checkpoints of a run with the id {hp.run_id!r}; pass --resume "
-                          f"auto to continue that run, or another --run_id")
+        raise ConfigError(f"{checkpoint_folder} holds checkpoints of a run with the id "
+                          f"{hp.run_id!r}; pass --resume auto to continue that run, or another "
+                          f"--run_id")
     if not log_path.exists():
         return False
     if hp.resume != "auto":
@@ -3637,59 +3715,69 @@ def check_outputs(hp, log_path, checkpoint_folder, total_steps):
 
 
 def logged_checkpoints(log_path):
-    """The checkpoint files a run's log says it wrote (periodic, final, at a stop signal), oldest first."""
+    """The checkpoint files a run's log says it wrote (periodic, final, at a stop signal), oldest
+    first."""
     text = Path(log_path).read_text(encoding="utf-8", errors="replace")
-    return re.findall(r"^(?:saved checkpoint |preempted at step \d+ by [^,]*, checkpoint )(.+?\.pt)(?:;|$)", text, re.M)
+    return re.findall(r"^(?:saved checkpoint |preempted at step \d+ by [^,]*, checkpoint )"
+                      r"(.+?\.pt)(?:;|$)", text, re.M)
 
 
 def checkpoint_to_resume(hp, checkpoint_folder, log, continuing=False):
-    """(path, snapshot) to continue from: --resume PATH, or for --resume auto the newest sound checkpoint
-    of the run; (None, None) to start at step 0. A continued log (rank 0's `continuing`) that records a
-    checkpoint when none is left is refused: starting afresh would throw the logged work away."""
+    """(path, snapshot) to continue from: --resume PATH, or for --resume auto the newest sound
+    checkpoint of the run; (None, None) to start at step 0. A continued log (rank 0's `continuing`)
+    that records a checkpoint when none is left is refused: starting afresh would throw the logged
+    work away."""
     if hp.resume != "auto":
         return (hp.resume, load_checkpoint(hp.resume)) if hp.resume else (None, None)
     path, snap = newest_sound_checkpoint(checkpoint_folder, log)
     if path is None:
-        stale = remove_stale_temp_files(checkpoint_folder) if Path(checkpoint_folder).is_dir() else []
+        stale = (remove_stale_temp_files(checkpoint_folder)
+                 if Path(checkpoint_folder).is_dir() else [])
         recorded = logged_checkpoints(log.path) if continuing else []
         if recorded:
-            removed = f" (removed {len(stale)} temp file(s) of interrupted writes there)" if stale else ""
-            raise ConfigError(f"--resume auto: {log.path} records the checkpoint {recorded[-1]}, but {checkpoint_folder} "
-                              f"holds no checkpoint{removed}; put it back, or move the log away to start the run afresh")
+            removed = (f" (removed {len(stale)} temp file(s) of interrupted writes there)"
+                       if stale else "")
+            raise ConfigError(f"--resume auto: {log.path} records the checkpoint {recorded[-1]}, "
+                              f"but {checkpoint_folder} holds no checkpoint{removed}; put it back, "
+                              f"or move the log away to start the run afresh")
         if stale:
-            log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in {checkpoint_folder}")
+            log(f"removed {len(stale)} temp file(s) of interrupted checkpoint writes in "
+                f"{checkpoint_folder}")
         log(f"--resume auto: no checkpoint in {checkpoint_folder} yet; starting at step 0")
     return path, snap
 
 
 def check_writable_folder(folder, what, log_dir):
-    """Refuse, before any work, a folder the run could not write into: a path through a file or a device,
-    a symbolic link that resolves nowhere, no write permission. Creates nothing."""
+    """Refuse, before any work, a folder the run could not write into: a path through a file or a
+    device, a symbolic link that resolves nowhere, no write permission. Creates nothing."""
     existing = Path(folder)
     while not existing.exists():
         if existing.is_symlink():
-            raise ConfigError(f"--log_dir {log_dir}: {what} {folder} cannot be made: {existing} is a symbolic link "
-                              f"that resolves nowhere (a loop or a missing target); fix it or pass another --log_dir")
+            raise ConfigError(f"--log_dir {log_dir}: {what} {folder} cannot be made: {existing} is "
+                              f"a symbolic link that resolves nowhere (a loop or a missing "
+                              f"target); fix it or pass another --log_dir")
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"--log_dir {log_dir}: {what} {folder} cannot be made: {existing} is not a folder; pass "
-                          f"another --log_dir")
+        raise ConfigError(f"--log_dir {log_dir}: {what} {folder} cannot be made: {existing} is not "
+                          f"a folder; pass another --log_dir")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--log_dir {log_dir}: cannot write {what} {folder} in {existing} (Permission denied); pass "
-                          f"another --log_dir")
+        raise ConfigError(f"--log_dir {log_dir}: cannot write {what} {folder} in {existing} "
+                          f"(Permission denied); pass another --log_dir")
 
 
 # Flags that may differ between the processes of one run (paths and resources of each machine); the
 # shards and the checkpoint step they lead to are compared instead.
-RANK_LOCAL_FLAGS = {"cpu_threads", "device", "log_dir", "profile", "train_files", "val_files", "resume"}
+RANK_LOCAL_FLAGS = {"cpu_threads", "device", "log_dir", "profile", "train_files", "val_files",
+                    "resume"}
 
 
 def rank_settings(hp, device, train_files, val_files, resume_step):
-    """What every process of a run must agree on: its flags, the script, the device type, the shard names,
-    the step it resumes at."""
+    """What every process of a run must agree on: its flags, the script, the device type, the shard
+    names, the step it resumes at."""
     settings = {f"--{name}": _flag_text(value) for name, value in dataclasses.asdict(hp).items()
                 if name not in RANK_LOCAL_FLAGS}
-    settings.update({"script sha256": script_sha256(hp), "device type": device.type, "resume step": resume_step,
+    settings.update({"script sha256": script_sha256(hp), "device type": device.type,
+                     "resume step": resume_step,
                      "training shards": [Path(f).name for f in train_files],
                      "validation shards": [Path(f).name for f in val_files]})
     return settings
@@ -3703,19 +3791,22 @@ def first_rank_difference(everyone):
             if value == ours:
                 continue
             if isinstance(ours, list) and isinstance(value, list):
-                i = next((i for i, (a, b) in enumerate(zip(value, ours)) if a != b), min(len(value), len(ours)))
+                i = next((i for i, (a, b) in enumerate(zip(value, ours)) if a != b),
+                         min(len(value), len(ours)))
                 names = [names[i] if i < len(names) else "none" for names in (value, ours)]
-                what = f"rank {rank}'s {key} differ from rank 0's at file {i + 1}: {names[0]} vs {names[1]}"
+                what = (f"rank {rank}'s {key} differ from rank 0's at file {i + 1}: "
+                        f"{names[0]} vs {names[1]}")
             else:
                 what = f"rank {rank} has {key} {value} but rank 0 has {key} {ours}"
-            return (f"{what}; start every process with the same flags, shards and checkpoints (only --cpu_threads, "
-                    f"--device, --log_dir, --profile and the data folders may differ)")
+            return (f"{what}; start every process with the same flags, shards and checkpoints "
+                    f"(only --cpu_threads, --device, --log_dir, --profile and the data folders may "
+                    f"differ)")
     return None
 
 
 def check_ranks_agree(settings):
-    """Each node types its own command line: one all-gather at start-up, then every rank refuses the same
-    first difference from rank 0 in the same words."""
+    """Each node types its own command line: one all-gather at start-up, then every rank refuses the
+    same first difference from rank 0 in the same words."""
     if not dist_ready():
         return
     everyone = [None] * dist.get_world_size()
@@ -3731,12 +3822,15 @@ def restart_warnings(hp):
         return []
     warnings = []
     if hp.resume != "auto":
-        warnings.append("torchrun may restart this run, but without --resume auto a restart starts over or is refused")
+        warnings.append("torchrun may restart this run, but without --resume auto a restart starts "
+                        "over or is refused")
     if not hp.save_every:
-        warnings.append("torchrun may restart this run, but --save_every is 0: a restart after a crash starts at step 0")
+        warnings.append("torchrun may restart this run, but --save_every is 0: a restart after a "
+                        "crash starts at step 0")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        warnings.append("torchrun shares its rendezvous store with the workers, so restarted workers may read the last "
-                        "attempt's addresses and fail to connect (pytorch#135712); start torchrun with "
+        warnings.append("torchrun shares its rendezvous store with the workers, so restarted "
+                        "workers may read the last attempt's addresses and fail to connect "
+                        "(pytorch#135712); start torchrun with "
                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     return warnings
 
@@ -3756,43 +3850,48 @@ def env_int(name, default, minimum=0):
     try:
         value = int(text)
     except ValueError:
-        raise ConfigError(f"the environment variable {name}={text!r} is not an integer; set it to one (torchrun sets "
-                          f"it for its workers) or unset it") from None
+        raise ConfigError(f"the environment variable {name}={text!r} is not an integer; set it to "
+                          f"one (torchrun sets it for its workers) or unset it") from None
     if value < minimum:
-        raise ConfigError(f"the environment variable {name}={text} must be >= {minimum}; set it to such a number (torchrun "
-                          f"sets it for its workers) or unset it")
+        raise ConfigError(f"the environment variable {name}={text} must be >= {minimum}; set it to "
+                          f"such a number (torchrun sets it for its workers) or unset it")
     return value
 
 
 def process_place():
-    """This process's place in the run from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (one plain process
-    when unset), each a number in range."""
+    """This process's place in the run from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (one
+    plain process when unset), each a number in range."""
     place = ProcessPlace(env_int("RANK", 0), env_int("WORLD_SIZE", 1, 1), env_int("LOCAL_RANK", 0),
                          env_int("LOCAL_WORLD_SIZE", 1, 1))
     for name, index, size, size_name in (("RANK", place.rank, place.world_size, "WORLD_SIZE"),
-                                         ("LOCAL_RANK", place.local_rank, place.local_world_size, "LOCAL_WORLD_SIZE")):
+                                         ("LOCAL_RANK", place.local_rank, place.local_world_size,
+                                          "LOCAL_WORLD_SIZE")):
         if index >= size:
-            raise ConfigError(f"the environment variable {name}={index} is not below {size_name}={size}; start the "
-                              f"processes with torchrun, or set {name} in 0..{size - 1}")
+            raise ConfigError(f"the environment variable {name}={index} is not below "
+                              f"{size_name}={size}; start the processes with torchrun, or set "
+                              f"{name} in 0..{size - 1}")
     if place.local_world_size > place.world_size:
-        raise ConfigError(f"the environment variable LOCAL_WORLD_SIZE={place.local_world_size} is more than "
-                          f"WORLD_SIZE={place.world_size}; start the processes with torchrun, or fix them")
+        raise ConfigError(f"the environment variable LOCAL_WORLD_SIZE={place.local_world_size} is "
+                          f"more than WORLD_SIZE={place.world_size}; start the processes with "
+                          f"torchrun, or fix them")
     return place
 
 
 def setup_distributed(hp):
-    """torchrun (RANK/WORLD_SIZE set) or a single plain process; NCCL on CUDA, gloo on CPU. The device
-    follows the node-local rank; data and logs follow the global rank."""
-    # as the reference: segments that grow in place, so the stages' larger batches do not fragment memory
-    # (read when CUDA first allocates; a setting of the user's own is kept)
+    """torchrun (RANK/WORLD_SIZE set) or a single plain process; NCCL on CUDA, gloo on CPU. The
+    device follows the node-local rank; data and logs follow the global rank."""
+    # as the reference: segments that grow in place, so the stages' larger batches do not fragment
+    # memory (read when CUDA first allocates; a setting of the user's own is kept)
     os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     rank, world_size, local_rank, local_world = process_place()
     if hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu or auto")
+            raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu or "
+                              "auto")
         if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"local rank {local_rank} needs {local_rank + 1} GPUs but {torch.cuda.device_count()} "
-                              f"are visible; start fewer processes per node (torchrun --nproc_per_node)")
+            raise ConfigError(f"local rank {local_rank} needs {local_rank + 1} GPUs but "
+                              f"{torch.cuda.device_count()} are visible; start fewer processes per "
+                              f"node (torchrun --nproc_per_node)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
@@ -3800,20 +3899,20 @@ def setup_distributed(hp):
         torch.set_num_threads(hp.cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
     if world_size > 1:
         # the first compile on 8 ranks can keep a rank from the next collective for many minutes
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30),
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=30),
                                 device_id=device if device.type == "cuda" else None)
     return rank, world_size, device
 
 
 def resolve_data(hp, rank):
-    """(train glob, val glob, description), prefixed by $DATA_PATH. The synthetic corpus replaces the
-    data only with --synthetic_fallback, when both globs are left at their defaults and neither matches
-    (one that matches while the other does not is an error: half of the real data, never silently
-    swapped); it lives in the working folder's data/synthetic/ (never written under a DATA_PATH); a glob
-    the user gave that matches nothing is an error."""
+    """(train glob, val glob, description), under $DATA_PATH. With --synthetic_fallback the
+    synthetic corpus (in ./data/synthetic/) replaces the data when both default globs match nothing;
+    half the real data, or a user's glob that matches nothing, is an error."""
     data_path = os.environ.get("DATA_PATH")
     if data_path and not Path(data_path).is_dir():
-        raise DataError(f"DATA_PATH {data_path} is not a folder; set it to the folder that holds data/ (or unset it)")
+        raise DataError(f"DATA_PATH {data_path} is not a folder; set it to the folder that holds "
+                        f"data/ (or unset it)")
     root = Path(data_path or ".")
     train, val = str(root / hp.train_files), str(root / hp.val_files)
     defaults = Hyperparameters()
@@ -3825,20 +3924,21 @@ def resolve_data(hp, rank):
             synthetic_corpus(folder)
         if dist_ready():
             dist.barrier()
-        return train, val, f"the synthetic corpus in {folder} (no shards match the default --train_files/--val_files)"
+        return train, val, (f"the synthetic corpus in {folder} (no shards match the default "
+                            f"--train_files/--val_files)")
     for flag, pattern in (("--train_files", train), ("--val_files", val)):
         if not glob.glob(pattern):
             fallback = (" (--synthetic_fallback replaces the data only when neither glob matches)"
                         if hp.synthetic_fallback and untouched else "")
-            raise DataError(f"{flag} {pattern!r} matches no file{fallback}; download shards with `python "
-                            f"data/cached_fineweb10B.py` or pass a glob that matches")
+            raise DataError(f"{flag} {pattern!r} matches no file{fallback}; download shards with "
+                            f"`python data/cached_fineweb10B.py` or pass a glob that matches")
     return train, val, f"train {train}, val {val}"
 
 
 @contextlib.contextmanager
 def failing_together(device, during="setup"):
-    """Run a block on every rank; if it fails on any rank, fail on all (one rank stopping alone would
-    leave the others waiting in their next collective)."""
+    """Run a block on every rank; if it fails on any rank, fail on all (one rank stopping alone
+    would leave the others waiting in their next collective)."""
     error = None
     try:
         yield
@@ -3854,7 +3954,8 @@ def failing_together(device, during="setup"):
 
 
 def rng_state(device):
-    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else None)
+    return dict(torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else None)
 
 
 def set_rng_state(state, device):
@@ -3890,7 +3991,8 @@ class RunStats:
         self.eval_peak_bytes = max(self.eval_peak_bytes, torch.cuda.max_memory_allocated())
 
     def train_peak_bytes(self):
-        return max(self.peak_bytes, torch.cuda.max_memory_allocated()) if self.device.type == "cuda" else 0
+        return (max(self.peak_bytes, torch.cuda.max_memory_allocated())
+                if self.device.type == "cuda" else 0)
 
     def summary(self, model, hp, tokens_seen, training_time_ms, world_size):
         """The log's closing lines: memory peaks, then tokens/s and MFU."""
@@ -3899,23 +4001,28 @@ class RunStats:
                      f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB",
                      f"validation peak memory allocated: {self.eval_peak_bytes // 2**20} MiB"]
         else:
-            lines = [f"peak memory (CPU max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"]
+            lines = [f"peak memory (CPU max RSS of rank 0): "
+                     f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"]
         seconds = training_time_ms / 1000
         tokens_per_s = tokens_seen / seconds if seconds else 0.0
         flops_per_token = model_flops_per_token(model, hp)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
         peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None) if name else None
-        mfu = f"{100 * tokens_per_s * flops_per_token / (peak * world_size):.1f}%" if peak else "n/a (unknown peak FLOP/s)"
+        mfu = (f"{100 * tokens_per_s * flops_per_token / (peak * world_size):.1f}%" if peak
+               else "n/a (unknown peak FLOP/s)")
         return lines + [f"throughput: {tokens_per_s:,.0f} tokens/s over {tokens_seen:,} tokens; "
                         f"{flops_per_token / 1e9:.2f} GFLOP/token; MFU {mfu}"]
 
 
 def model_flops_per_token(model, hp):
-    """6 x (matmul weights: blocks + head) for forward+backward, plus attention's 12 x layers x hdim x
-    mean keys per query (half the average long/short window of the last stage). Embedding lookups are free."""
+    """6 x (matmul weights: blocks + head) for forward+backward, plus attention's 12 x layers x hdim
+    x mean keys per query (half the average long/short window of the last stage). Embedding lookups
+    are free."""
     hidden = ("attn", "attn_qk", "attn_vo", "mlp")
-    matmul = sum(p.numel() for p, spec in model.param_table() if spec.label in hidden) + model.lm_head.weight.numel()
-    attn_layers = hp.num_layers - 1  # one layer has no attention (a paired layer's doubled stream costs the same)
+    matmul = (sum(p.numel() for p, spec in model.param_table() if spec.label in hidden)
+              + model.lm_head.weight.numel())
+    # one layer has no attention (a paired layer's doubled stream costs the same)
+    attn_layers = hp.num_layers - 1
     keys = 0.75 * hp.window_blocks[-1] * hp.window_block_tokens / 2
     return 6 * matmul + 12 * attn_layers * hp.num_heads * hp.head_dim * keys
 
@@ -3928,9 +4035,10 @@ class StepProfiler:
         self.trace = Path(hp.log_dir) / f"{run_id}_trace.json"
         self.profiler, self.log, self.text = None, log, hp.profile
         if self.range and self.range[1] >= total_steps:
-            log(f"warning: --profile {hp.profile} ends at or after the run's last step ({total_steps}); no trace "
-                f"will be written (END must be below it)")
-            self.range = None  # a profiler never stopped would outlive the run (and crash the interpreter's exit)
+            log(f"warning: --profile {hp.profile} ends at or after the run's last step "
+                f"({total_steps}); no trace will be written (END must be below it)")
+            # a profiler never stopped would outlive the run (and crash the interpreter's exit)
+            self.range = None
 
     def at(self, step, rank):
         if self.range is None:
@@ -3947,10 +4055,11 @@ class StepProfiler:
 
 
 class LateLossCheck:
-    """Each step's [loss, stop votes] (Trainer.train_step) is read one step late, so the host never waits
-    for the GPU: push() starts copying this step's values, checks the previous step's loss for a
-    non-finite value and returns whether any rank asked to stop at that step; finish() does the same for
-    the last. The values are summed over ranks, so every rank reads the same ones at the same step."""
+    """Each step's [loss, stop votes] (Trainer.train_step) is read one step late, so the host never
+    waits for the GPU: push() starts copying this step's values, checks the previous step's loss for
+    a non-finite value and returns whether any rank asked to stop at that step; finish() does the
+    same for the last. The values are summed over ranks, so every rank reads the same ones at the
+    same step."""
 
     def __init__(self, device):
         self.device, self.pending = device, None
@@ -3979,18 +4088,18 @@ class LateLossCheck:
             done.synchronize()  # waits for that step only, not for the work queued since
         value, stop_votes = totals.tolist()
         if not math.isfinite(value):
-            hint = ("before any update, so not from the learning rates: check the data and the model's flags" if step == 0
+            hint = ("before any update, so not from the learning rates: check the data and the "
+                    "model's flags" if step == 0
                     else "lower the learning rates (--muon_lr/--adam_lr) or check the data")
             raise FloatingPointError(f"training loss is {value} at step {step}; {hint}, then rerun")
         return stop_votes > 0
 
 
 class StopSignals:
-    """SIGTERM and SIGUSR1 (what schedulers send before they kill: SLURM, Kubernetes, spot instances) and SIGHUP
-    (the terminal or ssh session of the run closed) ask the run to stop. Before the first training step there is
-    nothing to save, so a signal stops the process at once (Preempted). From note_from_now_on() (the training loop) the handler only notes the
-    first signal; the loop carries the request to every rank and stops them all at the same step, after
-    a checkpoint. Further signals change nothing, so one during the checkpoint's write cannot cut it short."""
+    """SIGTERM, SIGUSR1 (schedulers' warning before a kill) and SIGHUP (terminal closed) ask the
+    run to stop: at once before the first training step (Preempted: nothing to save); from
+    note_from_now_on() the first is only noted, and the loop stops every rank at the same step after
+    a checkpoint. Later signals change nothing, so none cuts the checkpoint's write short."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
@@ -4001,7 +4110,8 @@ class StopSignals:
         self.noting = True
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # Python handles signals there only
+        # Python handles signals in the main thread only
+        if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._note)
         return self
@@ -4013,35 +4123,39 @@ class StopSignals:
     def _note(self, signum, frame):
         name = signal.Signals(signum).name
         if not self.noting:
-            raise Preempted(f"stopped by {name} before the first training step; nothing new to save")
+            raise Preempted(f"stopped by {name} before the first training step; nothing new to "
+                            f"save")
         if self.received is None and os.environ.get("RANK", "0") == "0":
-            # at once, so a long step (many --micro_batch_tokens pieces) does not look like an ignored signal;
-            # os.write: a print could re-enter a write the handler interrupted
+            # at once, so a long step (many --micro_batch_tokens pieces) does not look like an
+            # ignored signal; os.write: a print could re-enter a write the handler interrupted
             with contextlib.suppress(OSError):  # (a closed terminal: SIGHUP's usual company)
-                os.write(2, f"{name} received: the run stops with a checkpoint within 1-3 steps\n".encode())
+                os.write(2, f"{name} received: the run stops with a checkpoint within 1-3 "
+                            f"steps\n".encode())
         self.received = self.received or name
 
 
 class Preempted(Exception):
-    """The run stopped at a stop signal's request, with its state saved (main prints it from rank 0)."""
+    """The run stopped at a stop signal's request, with its state saved (main prints it from rank
+    0)."""
 
 
 def checkpoint_complete_after(steps_done):
-    """Whether a checkpoint after `steps_done` steps holds the whole optimizer state: DistAdam's gradients
-    accumulate from an even step to the odd step where it updates, and checkpoints hold no gradients."""
+    """Whether a checkpoint after `steps_done` steps holds the whole optimizer state: DistAdam's
+    gradients accumulate from an even step to the odd step where it updates, and checkpoints hold no
+    gradients."""
     return steps_done % 2 == 0
 
 
 def write_checkpoint(path, snap, required, log):
-    """Write a checkpoint and return its path. A failed write raises if `required` (final, preemption);
-    else it only warns, training goes on and the earlier checkpoints stay (None)."""
+    """Write a checkpoint and return its path. A failed write raises if `required` (final,
+    preemption); else it only warns, training goes on and the earlier checkpoints stay (None)."""
     try:
         save_checkpoint(path, snap)
     except OSError as e:
         if required:
             raise
-        log(f"warning: could not write checkpoint {path} ({e.strerror or e}); training goes on and the earlier "
-            f"checkpoints are kept")
+        log(f"warning: could not write checkpoint {path} ({e.strerror or e}); training goes on and "
+            f"the earlier checkpoints are kept")
         return None
     log(f"saved checkpoint {path}")
     return path
@@ -4086,9 +4200,11 @@ def main(argv=None):
         except (ConfigError, DataError, FloatingPointError) as e:
             fail(trainer, str(e))
         except OSError as e:  # a log or checkpoint folder that cannot be written, a full disk, ...
-            fail(trainer, f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e))
+            fail(trainer, f"{e.filename}: {e.strerror or e}" if e.filename
+                 else str(e.strerror or e))
         except KeyboardInterrupt:
-            fail(trainer, "interrupted; continue from the last checkpoint with --resume auto and its --run_id", 130)
+            fail(trainer, "interrupted; continue from the last checkpoint with --resume auto and "
+                          "its --run_id", 130)
         finally:
             if dist_ready():
                 dist.destroy_process_group()
@@ -4108,18 +4224,19 @@ def fail(trainer, message, code=2):
 # with their context
 
 
-# A micro-step piece carries the context the uncut micro-step would read outside it: before its tokens, the
-# document that precedes them, whole (up to max_seq_len tokens: for the smear gate and the bigram sign of
-# its first token its last token, for the key shift that token's key, a function of the whole document; or,
-# where a long document is cut, the document's earlier part), with no loss; after them, the targets of two
-# positions (the multi-token loss of its last positions).
+# A micro-step piece carries the context the uncut micro-step would read outside it: before its
+# tokens, the document that precedes them, whole (up to max_seq_len tokens: for the smear gate and
+# the bigram sign of its first token its last token, for the key shift that token's key, a function
+# of the whole document; or, where a long document is cut, the document's earlier part), with no
+# loss; after them, the targets of two positions (the multi-token loss of its last positions).
 PIECE_CONTEXT_AFTER = MTP_HORIZON - 1
 
 
 def pack_documents(doc_lengths, max_piece_tokens):
-    """[(start, stop)] of the pieces a micro-step of documents `doc_lengths` runs as: its documents in order,
-    as many as fit in max_piece_tokens; only a document longer than that is cut (into pieces of its own, the
-    last of which the next documents may join). Returns (bounds, number of documents cut)."""
+    """[(start, stop)] of the pieces a micro-step of documents `doc_lengths` runs as: its documents
+    in order, as many as fit in max_piece_tokens; only a document longer than that is cut (into
+    pieces of its own, the last of which the next documents may join). Returns (bounds, number of
+    documents cut)."""
     bounds, start, used, cut = [], 0, 0, 0
     for length in map(int, doc_lengths):
         if used + length > max_piece_tokens:
@@ -4142,30 +4259,31 @@ def piece_cap(hp):
 
 
 def padded_piece_length(tokens, max_piece_tokens, max_seq_len):
-    """Positions of the forward a micro-step of `tokens` (documents of at most max_seq_len) runs as: all of
-    them uncut, else the fixed length of its pieces (at most max_piece_tokens tokens and their context)."""
+    """Positions of the forward a micro-step of `tokens` (documents of at most max_seq_len) runs as:
+    all of them uncut, else the fixed length of its pieces (at most max_piece_tokens tokens and
+    their context)."""
     if tokens <= max_piece_tokens:
         return tokens
     return max_piece_tokens + max_seq_len + PIECE_CONTEXT_AFTER
 
 
 def piece_inputs(window, doc_lengths, start, stop, length, device, bigram_ids=None):
-    """The Batch of the micro-step piece [start, stop) of `window` (the micro-step's inputs and its last
-    target; documents `doc_lengths`; bigram ids hashed over the whole micro-step), padded to `length`
-    positions: [context][the piece's tokens][padding]. The context is the micro-step from the start of the
-    document holding the token before the piece (none for the first piece) up to the piece, with its document
-    boundaries and no loss; the two targets after the piece's last position ride on the first positions after
-    it; the padding is a document of its own with no loss; the rotary positions are the micro-step's."""
+    """The Batch of the micro-step piece [start, stop) of `window` (inputs and last target;
+    documents `doc_lengths`; bigram ids of the whole micro-step), padded to `length`:
+    [context][tokens][padding]. The context runs from the start of the document holding the token
+    before the piece, with no loss; context_piece does the rest."""
     ends = np.cumsum(doc_lengths)
-    first = int((ends - doc_lengths)[np.searchsorted(ends, start - 1, side="right")]) if start else 0
+    first = (int((ends - doc_lengths)[np.searchsorted(ends, start - 1, side="right")])
+             if start else 0)
     after = min(PIECE_CONTEXT_AFTER, len(window) - 1 - stop)
     return context_piece(window, doc_lengths, first, start, stop, after, length, device, bigram_ids)
 
 
 def context_piece(window, doc_lengths, first, start, stop, after, length, device, bigram_ids=None):
-    """The Batch of the tokens [start, stop) of `window` led by their context [first, start), padded to `length`
-    positions: the loss on the piece's tokens only, their targets and `after` more on the positions after them,
-    document boundaries cut to [first, stop), the padding a document of its own, rotary positions from first."""
+    """The Batch of the tokens [start, stop) of `window` led by their context [first, start), padded
+    to `length` positions: the loss on the piece's tokens only, their targets and `after` more on
+    the positions after them, document boundaries cut to [first, stop), the padding a document of
+    its own, rotary positions from first."""
     before, tokens = start - first, stop - start
     inputs = np.zeros(length, dtype=np.int64)  # padding: any token of every vocabulary
     inputs[: before + tokens] = window[first: stop]
@@ -4178,54 +4296,56 @@ def context_piece(window, doc_lengths, first, start, stop, after, length, device
     if bigram_ids is not None:
         ids = np.full(length, bigram_ids[0], dtype=np.int32)  # the reserved row, as at position 0
         ids[: before + tokens] = bigram_ids[first:stop]
-    return to_device(inputs, targets, padded_cu_seqlens([n for n in lengths if n], length), device, ids,
-                     np.arange(first, first + length), loss_mask)
+    return to_device(inputs, targets, padded_cu_seqlens([n for n in lengths if n], length), device,
+                     ids, np.arange(first, first + length), loss_mask)
 
 
 def cut_lengths(doc_lengths, start, stop):
-    """Lengths of the documents of a sequence inside [start, stop): a document the edges cut through keeps
-    its part inside (the piece treats that part as a document of its own)."""
+    """Lengths of the documents of a sequence inside [start, stop): a document the edges cut through
+    keeps its part inside (the piece treats that part as a document of its own)."""
     ends = np.cumsum(doc_lengths)
     inside = np.minimum(ends, stop) - np.maximum(ends - doc_lengths, start)
     return inside[inside > 0]
 
 
 def receptive_field(plan, window_pairs, window_block_tokens):
-    """Tokens back, inside one document, that a position's output can depend on under any of the (short, long)
-    window_pairs: each attention layer reaches its window (and its key shift one token more), the smear gate
-    and the bigram one token; everything else acts per position."""
-    return 1 + sum(max(pair[1 if layer.long_window else 0] for pair in window_pairs) * window_block_tokens
+    """Tokens back, inside one document, that a position's output can depend on under any of the
+    (short, long) window_pairs: each attention layer reaches its window (and its key shift one token
+    more), the smear gate and the bigram one token; everything else acts per position."""
+    return 1 + sum(max(pair[1 if layer.long_window else 0] for pair in window_pairs)
+                   * window_block_tokens
                    + layer.key_shift for layer in plan if layer.attention)
 
 
 def validation_piece_length(tokens, max_piece_tokens, context):
-    """Positions of each forward a validation window of `tokens` runs as: all of them uncut, else the fixed
-    length of its pieces (at most max_piece_tokens tokens and the context before them)."""
-    return tokens if tokens <= max_piece_tokens else max_piece_tokens + min(context, tokens - max_piece_tokens)
+    """Positions of each forward a validation window of `tokens` runs as: all of them uncut, else
+    the fixed length of its pieces (at most max_piece_tokens tokens and the context before them)."""
+    return (tokens if tokens <= max_piece_tokens
+            else max_piece_tokens + min(context, tokens - max_piece_tokens))
 
 
-def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accum, device, max_piece_tokens, context,
-                      bigram_rows=0):
-    """[the Batches of each validation forward]: one uncut Batch (validation_batches) if it holds at most
-    max_piece_tokens tokens, else pieces of max_piece_tokens consecutive tokens (the last may be shorter), each
-    led by the `context` tokens before it (receptive_field; fewer at the window's start), with their document
-    boundaries, rotary positions and bigram ids and no loss (the context's first document starts where it
-    starts: what that changes lies more than `context` tokens before the piece's tokens, beyond their reach),
-    padded to validation_piece_length (a document of its own with no loss). Every loss term is the uncut one."""
-    for buf, lengths in validation_windows(tokens, val_tokens, val_batch_size, rank, world_size, accum):
+def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accum, device,
+                      max_piece_tokens, context, bigram_rows=0):
+    """[the Batches of each validation forward]: one uncut Batch if it holds at most
+    max_piece_tokens tokens, else pieces of that many, each led by the `context` tokens before it
+    (receptive_field) with no loss, padded to validation_piece_length. A context's cut first
+    document changes nothing within reach, so every loss term is the uncut one."""
+    for buf, lengths in validation_windows(tokens, val_tokens, val_batch_size, rank, world_size,
+                                           accum):
         n = len(buf) - 1
         ids = bigram_hash(buf[:-1], bigram_rows) if bigram_rows else None
         if n <= max_piece_tokens:
             yield [model_inputs(buf, lengths, device, ids)]
             continue
         length = validation_piece_length(n, max_piece_tokens, context)
-        yield [context_piece(buf, lengths, max(0, start - context), start, min(start + max_piece_tokens, n), 0, length,
-                             device, ids) for start in range(0, n, max_piece_tokens)]
+        yield [context_piece(buf, lengths, max(0, start - context), start,
+                             min(start + max_piece_tokens, n), 0, length, device, ids)
+               for start in range(0, n, max_piece_tokens)]
 
 
 def micro_step_pieces(hp, world_size, accum):
-    """[(tokens of a micro-step per rank, the positions of each forward it runs as)] of the run's stages, each
-    pair once (one compiled length each)."""
+    """[(tokens of a micro-step per rank, the positions of each forward it runs as)] of the run's
+    stages, each pair once (one compiled length each)."""
     pairs = []
     for stage in Schedule(hp).stages[:3]:
         tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
@@ -4242,24 +4362,20 @@ def micro_step_pieces(hp, world_size, accum):
 # softcapped loss runs in chunks with its gradients formed on the way; Polar Express runs in fp32
 # (backend_for), as bf16 matmuls without native support are ~20x slower.
 
-
-# FlexAttention has no CPU backward, so attention runs as tiled SDPA with the same mask; the softcapped loss
-# runs in chunks with its gradients formed on the way; Polar Express runs in fp32 (make_optimizers), as bf16
-# matmuls without native support are ~20x slower.
-
 def local_window_mask(docs, window_tokens):
     """Queries in tiles of ATTN_BLOCK; each tile sees the window_tokens keys before it plus itself.
     Returns (tile mask, keys looked back)."""
     seq_len = docs.numel()
     n_tiles = -(-seq_len // ATTN_BLOCK)
-    lookback = min(int(window_tokens), seq_len)  # a shape: the CPU path reads the window on the host
+    lookback = min(int(window_tokens), seq_len)  # a shape: the CPU path reads it on the host
     # Padding positions get one extra document id, so every query row has at least itself unmasked.
     padded = torch.cat([docs, (docs[-1:] + 1).expand(n_tiles * ATTN_BLOCK - seq_len)])
     q_pos = torch.arange(n_tiles * ATTN_BLOCK, device=docs.device).view(n_tiles, ATTN_BLOCK, 1)
     k_pos = (torch.arange(n_tiles, device=docs.device)[:, None] * ATTN_BLOCK - lookback
              + torch.arange(lookback + ATTN_BLOCK, device=docs.device)[None, :])[:, None, :]
     k_doc = padded[k_pos.clamp_min(0)]
-    allowed = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos - k_pos <= window_tokens) & (padded[q_pos] == k_doc)
+    allowed = ((k_pos >= 0) & (k_pos <= q_pos) & (q_pos - k_pos <= window_tokens)
+               & (padded[q_pos] == k_doc))
     return allowed[:, None], lookback
 
 
@@ -4274,13 +4390,16 @@ def local_window_attention(q, k, v, mask, scale):
         return t.unfold(0, lookback + ATTN_BLOCK, ATTN_BLOCK).permute(0, 1, 3, 2)
 
     q = q * scale.to(q.dtype)  # the softmax scale, applied without reading it on the host
-    q_tiles = F.pad(q, (0, 0, 0, 0, 0, tail)).view(n_tiles, ATTN_BLOCK, *q.shape[1:]).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q_tiles, windows(k), windows(v), attn_mask=allowed, scale=1.0)
+    q_tiles = F.pad(q, (0, 0, 0, 0, 0, tail)).view(n_tiles, ATTN_BLOCK,
+                                                   *q.shape[1:]).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q_tiles, windows(k), windows(v), attn_mask=allowed,
+                                       scale=1.0)
     return y.transpose(1, 2).reshape(n_tiles * ATTN_BLOCK, *q.shape[1:])[:seq_len]
 
 
 class TiledWindowAttention:
-    """The CPU attention: same mask semantics as FlexWindowAttention, via one batched SDPA over tiles."""
+    """The CPU attention: same mask semantics as FlexWindowAttention, via one batched SDPA over
+    tiles."""
 
     mask = staticmethod(local_window_mask)
 
@@ -4291,14 +4410,11 @@ class TiledWindowAttention:
 SOFTCAP_CHUNK = 512  # rows of logits alive at once in the CPU loss
 
 
-def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, loss_mask=None, prior=None,
-                         prior_rows=None):
-    """Summed cross-entropy of the softcapped logits of x @ w.T (with mtp_weights: the multi-token
-    loss; with loss_mask: over its terms, as multi_token_loss; with an NgramPrior: plus its rows of the
-    contexts prior_rows, NgramPrior.context_rows of the inputs), SOFTCAP_CHUNK rows at a time; with_grads also forms d loss / d x
-    and d loss / d w on the way.
-    On CPU, eager elementwise passes over full (tokens, vocab) logits dominate; on GPU the compiled
-    graph fuses them instead."""
+def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, loss_mask=None,
+                         prior=None, prior_rows=None):
+    """Summed cross-entropy of the softcapped logits of x @ w.T (mtp_weights, loss_mask: as
+    multi_token_loss; a prior: plus its rows prior_rows), SOFTCAP_CHUNK rows at a time, so no
+    (tokens, vocab) pass dominates on CPU; with_grads also forms d loss / d x and d loss / d w."""
     scale, n = softcap.scale, x.size(0)
     weights = [1.0] if mtp_weights is None else mtp_weights  # 0-dim tensors: no host read
     grad_x = torch.empty_like(x) if with_grads else None
@@ -4307,10 +4423,13 @@ def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, l
     for start in range(0, n, SOFTCAP_CHUNK):
         xc = x[start: start + SOFTCAP_CHUNK]
         rows = torch.arange(xc.size(0), device=x.device)
-        # the targets of the next len(weights) tokens that exist: row r of horizon k targets token start + r + k
-        horizons = [(wk, targets[start + k: start + k + xc.size(0)]) for k, wk in enumerate(weights) if start + k < n]
-        if loss_mask is not None:  # each horizon's weight per row: 0 where the mask or the target says no
-            horizons = [(wk * (loss_mask[start: start + tk.numel()] & (tk >= 0)), tk.clamp_min(0)) for wk, tk in horizons]
+        # the targets of the next len(weights) tokens that exist: row r of horizon k targets
+        # token start + r + k
+        horizons = [(wk, targets[start + k: start + k + xc.size(0)])
+                    for k, wk in enumerate(weights) if start + k < n]
+        if loss_mask is not None:  # each horizon's weight per row: 0 where mask or target says no
+            horizons = [(wk * (loss_mask[start: start + tk.numel()] & (tk >= 0)), tk.clamp_min(0))
+                        for wk, tk in horizons]
         logits = (xc @ w.T).float()
         if softcap.offset:
             logits.add_(softcap.offset)
@@ -4318,10 +4437,12 @@ def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, l
         # d logits / d z = scale * s (1 - s) / SOFTCAP_WIDTH with s = logits / scale,
         # i.e. logits * (scale - logits) / (scale * SOFTCAP_WIDTH)
         slope = torch.rsub(logits, scale).mul_(logits) if with_grads else None
-        if prior is not None:  # a constant: d loss / d logits keeps its form, with the softmax of the sum
+        # the prior is a constant: d loss / d logits keeps its form, with the softmax of the sum
+        if prior is not None:
             prior.add_to(logits, prior_rows[:, start: start + xc.size(0)])
         picked = [logits[rows[: tk.numel()], tk] for _, tk in horizons]
-        probs = logits.exp_()  # logits lie below scale (a prior's log-probabilities are <= 0): exp cannot overflow
+        # logits lie below scale (a prior's log-probabilities are <= 0): exp cannot overflow
+        probs = logits.exp_()
         sum_exp = probs.sum(dim=1)
         log_sum = sum_exp.log()
         for (wk, tk), z in zip(horizons, picked):
@@ -4333,13 +4454,16 @@ def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, l
         if with_grads:
             probs.mul_(sum_exp.reciprocal_()[:, None])
             if loss_mask is not None:
-                probs.mul_(sum(F.pad(wk, (0, xc.size(0) - wk.numel())) for wk, _ in horizons)[:, None])
+                probs.mul_(sum(F.pad(wk, (0, xc.size(0) - wk.numel()))
+                               for wk, _ in horizons)[:, None])
             elif mtp_weights is not None:  # each row's probabilities once per horizon it predicts
-                probs.mul_(sum(torch.where(rows < tk.numel(), wk, 0.0) for wk, tk in horizons)[:, None])
+                probs.mul_(sum(torch.where(rows < tk.numel(), wk, 0.0)
+                               for wk, tk in horizons)[:, None])
             for wk, tk in horizons:  # one target per row and horizon
                 probs[rows[: tk.numel()], tk] -= wk
             grad_logits = probs.mul_(slope)
-            grad_x[start: start + SOFTCAP_CHUNK] = (grad_logits @ w.float()).div_(scale * SOFTCAP_WIDTH).to(x.dtype)
+            grad_x[start: start + SOFTCAP_CHUNK] = (grad_logits @ w.float()).div_(
+                scale * SOFTCAP_WIDTH).to(x.dtype)
             grad_w += (grad_logits.T @ xc.float()).div_(scale * SOFTCAP_WIDTH).to(w.dtype)
     return total, grad_x, grad_w
 
@@ -4350,8 +4474,8 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, targets, softcap, mtp_weights, loss_mask, prior=None, prior_rows=None):
-        total, grad_x, grad_w = chunked_softcap_loss(x, w, targets, True, softcap, mtp_weights, loss_mask, prior,
-                                                     prior_rows)
+        total, grad_x, grad_w = chunked_softcap_loss(x, w, targets, True, softcap, mtp_weights,
+                                                     loss_mask, prior, prior_rows)
         ctx.save_for_backward(grad_x, grad_w)
         return total
 
@@ -4361,27 +4485,31 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
         return grad_x * grad_total, grad_w * grad_total, None, None, None, None, None, None
 
 
-def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None,
-                                  loss_mask=None, inputs=None, prior=None):
+def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap,
+                                  mtp_weights=None, loss_mask=None, inputs=None, prior=None):
     """softcap_cross_entropy for the CPU: same values, chunked (fp8_scales and the sigmoid's bf16
     rounding are ignored: no FP8 on CPU, and the CPU path computes in fp32); with --ngram_prior's
     NgramPrior (backend_for binds it) its rows of the contexts in `inputs` join the logits."""
     prior_rows = None if prior is None else prior.context_rows(inputs)
     if training:
-        return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights, loss_mask, prior, prior_rows)
+        return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights, loss_mask, prior,
+                                        prior_rows)
     if loss_mask is not None:  # a validation piece: its summed loss
-        return chunked_softcap_loss(x, weight, targets, False, softcap, None, loss_mask, prior, prior_rows)[0]
-    return chunked_softcap_loss(x, weight, targets, False, softcap, prior=prior, prior_rows=prior_rows)[0] / x.size(0)
+        return chunked_softcap_loss(x, weight, targets, False, softcap, None, loss_mask, prior,
+                                    prior_rows)[0]
+    return chunked_softcap_loss(x, weight, targets, False, softcap, prior=prior,
+                                prior_rows=prior_rows)[0] / x.size(0)
 
 
 CPU_POLAR_EXPRESS = dict(use_triton=False, dtype=torch.float32)
 
 
-def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512, topics=8):
-    """Write a deterministic corpus with learnable structure: BOS-started documents, each with a topic,
-    generated by a topic-dependent sparse Markov chain (4 successors per token, probs .6/.25/.1/.05).
-    A model must use context (the topic) and the previous token to reach ~1.1 nats/token;
-    the unigram entropy is ~ln(vocab). Returns the (train, val) paths."""
+def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512,
+                     topics=8):
+    """Write a deterministic corpus with learnable structure: BOS-started documents, each with a
+    topic, generated by a topic-dependent sparse Markov chain (4 successors per token, probs
+    .6/.25/.1/.05). A model must use context (the topic) and the previous token to reach ~1.1
+    nats/token; the unigram entropy is ~ln(vocab). Returns the (train, val) paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -4389,7 +4517,8 @@ def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144
     successors = rng.integers(0, vocab, size=(topics, vocab, 4))
     probs = np.array([0.6, 0.25, 0.1, 0.05])
     paths = []
-    for name, n_tokens in (("synthetic_val_000000.bin", val_tokens), ("synthetic_train_000001.bin", train_tokens)):
+    for name, n_tokens in (("synthetic_val_000000.bin", val_tokens),
+                           ("synthetic_train_000001.bin", train_tokens)):
         docs = []
         total = 0
         while total < n_tokens:
@@ -4412,5 +4541,6 @@ def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt again (main reports it)
+    # Ctrl-C raises KeyboardInterrupt again (main reports it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     main()
