@@ -16,6 +16,7 @@ DOCS = ROOT / "docs"
 CONFIGURATION = DOCS / "configuration.md"
 README_MAX_LINES = 250  # a newcomer's first page, read in ten minutes
 sys.path.insert(0, str(ROOT))  # also run as a script, to print the table
+import track3  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
 
@@ -24,13 +25,14 @@ def _fmt(value):
 
 
 def config_table():
-    """The configuration table of docs/configuration.md, made from Hyperparameters, HP_SECTIONS and the cpu
-    preset (print it with `python tests/test_docs.py` after changing a field)."""
+    """The configuration table of docs/configuration.md, made from Hyperparameters (with track3.py's
+    fields), their sections and the cpu preset (print it with `python tests/test_docs.py` after changing a
+    field)."""
     lines = ["| flag | default (the record) | `--preset cpu` | meaning |", "|---|---|---|---|"]
-    cpu = tg.PRESETS["cpu"]
-    for f in fields(tg.Hyperparameters):
-        if f.name in tg.HP_SECTIONS:
-            lines.append(f"| **{tg.HP_SECTIONS[f.name]}** | | | |")
+    cpu, sections = tg.PRESETS["cpu"], {**tg.HP_SECTIONS, **track3.HP_SECTIONS}
+    for f in fields(track3.Hyperparameters):
+        if f.name in sections:
+            lines.append(f"| **{sections[f.name]}** | | | |")
         preset = f"`{_fmt(cpu[f.name])}`" if f.name in cpu else ""
         lines.append(f"| `--{f.name}` | `{_fmt(f.default)}` | {preset} | {f.metadata['help']} |")
     return "\n".join(lines) + "\n"
@@ -40,14 +42,17 @@ def test_config_table_is_the_dataclass():
     doc = CONFIGURATION.read_text(encoding="utf-8")
     table = config_table()
     assert table in doc, f"{CONFIGURATION.name}'s table is stale: paste the output of `python tests/test_docs.py`"
-    assert len(re.findall(r"^\| `--\w+` \|", doc, re.M)) == len(fields(tg.Hyperparameters))  # one table only
+    assert len(re.findall(r"^\| `--\w+` \|", doc, re.M)) == len(fields(track3.Hyperparameters))  # one table only
     assert tg.PRESETS["record"] == {}
 
 
-def test_help_lists_every_field_with_default(capsys, monkeypatch):
+@pytest.mark.parametrize("argv,hp_class", [([], tg.Hyperparameters),
+                                           (["--matrix_optimizer", "soap"], track3.Hyperparameters)])
+def test_help_lists_every_field_with_default(capsys, monkeypatch, argv, hp_class):
+    """--help lists the record's flags, and with a track-3 --matrix_optimizer track3.py's too."""
     monkeypatch.setenv("COLUMNS", "10000")  # one line per option
     with pytest.raises(SystemExit) as info:
-        tg.parse_args(["--help"])
+        tg.parse_args([*argv, "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
     lines = {}  # option -> its entry (name line + help continuation lines), whitespace normalized
@@ -57,7 +62,7 @@ def test_help_lists_every_field_with_default(capsys, monkeypatch):
             lines[current] = line
         elif line.startswith("    ") and lines:
             lines[current] = " ".join([lines[current], line.strip()])
-    for f in fields(tg.Hyperparameters):
+    for f in fields(hp_class):
         assert f"--{f.name}" in lines, f.name
         assert f"(default: {f.default})" in lines[f"--{f.name}"], lines[f"--{f.name}"]
     assert "--preset" in lines and "cpu" in lines["--preset"]

@@ -437,6 +437,54 @@ def test_diff_the_real_script_with_itself_as_a_log(tmp_path, capsys):
     assert capsys.readouterr().out == ""
 
 
+COMPANION = "import torch\n\n\ndef step():\n    return 1\n"
+
+
+def with_companions(script=SCRIPT, **files):
+    """A run's code as its log carries it: the script, then each companion file under its header."""
+    return script + "".join(f"\n\n{'-' * 40}\n# {name}\n{'-' * 40}\n\n{text}" for name, text in files.items())
+
+
+def test_split_files_gives_the_script_and_each_companion_file_exactly():
+    code = with_companions(**{"track3.py": COMPANION, "ngram_prior.py": "x = 1\n"}).encode()
+    assert rec.split_files(code) == {"train_gpt.py": SCRIPT.encode(), "track3.py": COMPANION.encode(),
+                                     "ngram_prior.py": b"x = 1\n"}
+    assert rec.split_files(SCRIPT.encode()) == {"train_gpt.py": SCRIPT.encode()}  # an older, one-file log
+
+
+def test_extract_prints_the_script_or_a_companion_and_writes_all(tmp_path, capsysbinary):
+    log = make_log(tmp_path / "a.txt", script=with_companions(**{"track3.py": COMPANION}))
+    assert rec.main(["extract", str(log)]) == 0
+    assert capsysbinary.readouterr().out == SCRIPT.encode()
+    assert rec.main(["extract", str(log), "--file", "track3.py"]) == 0
+    assert capsysbinary.readouterr().out == COMPANION.encode()
+    assert rec.main(["extract", str(log), "--all", str(tmp_path / "code")]) == 0
+    assert "wrote train_gpt.py, track3.py into" in capsysbinary.readouterr().err.decode()
+    assert sorted(p.name for p in (tmp_path / "code").iterdir()) == ["track3.py", "train_gpt.py"]
+    assert (tmp_path / "code" / "track3.py").read_text() == COMPANION
+    assert rec.main(["extract", str(log), "--file", "soap.py"]) == 2
+    one_error_line(capsysbinary.readouterr().err.decode(), "soap.py", "train_gpt.py, track3.py")
+
+
+def test_diff_shows_a_change_in_a_companion_file(tmp_path, capsys):
+    a = make_log(tmp_path / "a.txt", script=with_companions(**{"track3.py": COMPANION}))
+    b = make_log(tmp_path / "b.txt", script=with_companions(**{"track3.py": COMPANION.replace("1", "2")}))
+    assert rec.main(["diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [f"--- {a}:track3.py", f"+++ {b}:track3.py"]
+    assert [l for l in out[2:] if l[:1] in "+-"] == ["-    return 1", "+    return 2"]
+    # a plain script is compared with the companion files beside it
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "train_gpt.py").write_text(SCRIPT)
+    (tmp_path / "work" / "track3.py").write_text(COMPANION)
+    assert rec.main(["diff", str(a), str(tmp_path / "work" / "train_gpt.py")]) == 0
+    assert capsys.readouterr().out == ""
+    # a companion file only one side has shows whole
+    c = make_log(tmp_path / "c.txt")
+    assert rec.main(["diff", str(c), str(a)]) == 0
+    assert "+    return 1" in capsys.readouterr().out.splitlines()
+
+
 # --------------------------------------------------------------------------- plot
 
 def test_plot_one_curve_per_run(tmp_path):
@@ -772,32 +820,38 @@ TRAIN_ARGS = ["--preset", "cpu", "--num_scheduled_iterations", "4", "--num_exten
 def test_extract_and_replay_real_trainer_log(tmp_path):
     """A real trainer log (synthetic data generated under tmp_path) verifies, and a replay
     with no arguments reruns it with the recorded ones under a new run id."""
-    trainer = REPO / "train_gpt.py"
-    shutil.copy2(trainer, tmp_path / "train_gpt.py")
+    for name in ("train_gpt.py", "track3.py", "ngram_prior.py"):
+        shutil.copy2(REPO / name, tmp_path / name)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    args = [*TRAIN_ARGS, "--matrix_optimizer", "adamw"]  # a track-3 run with the cpu preset's n-gram prior
 
-    r = subprocess.run([sys.executable, "train_gpt.py", *TRAIN_ARGS, "--run_id", "orig"], cwd=tmp_path,
+    r = subprocess.run([sys.executable, "train_gpt.py", *args, "--run_id", "orig"], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = tmp_path / "logs" / "orig.txt"
     assert sorted((tmp_path / "logs").glob("*.txt")) == [log]
-    assert rec.extract_script_bytes(log) == trainer.read_bytes()
+    # the log carries every file the run imported
+    assert rec.split_files(rec.extract_script_bytes(log)) == {
+        name: (REPO / name).read_bytes() for name in ("train_gpt.py", "track3.py", "ngram_prior.py")}
     assert rec.verify_script(log) is True
     parts = rec.read_log(log)
-    assert rec.recorded_args(parts, log) == [*TRAIN_ARGS, "--run_id", "orig"]
+    assert rec.recorded_args(parts, log) == [*args, "--run_id", "orig"]
     assert rec.recorded_world_size(parts) == 1
     run = rec.parse_log(log)
     assert run.complete and run.final_step == 4 and run.val_steps[-1] == 4
     before = log.read_bytes()
 
+    # the replay runs from the log's snapshot alone: a folder with the data and no code
+    for name in ("train_gpt.py", "track3.py", "ngram_prior.py"):
+        (tmp_path / name).unlink()
     assert rec.main(["replay", "--nproc", "0", "--dir", str(tmp_path), str(log)]) == 0
     assert log.read_bytes() == before
     (new,) = [p for p in (tmp_path / "logs").glob("*.txt") if p != log]
     assert rec.verify_script(new) is True
     assert rec.extract_script_bytes(new) == rec.extract_script_bytes(log)
-    assert rec.recorded_args(rec.read_log(new), new) == TRAIN_ARGS
-    assert rec.parse_log(new).complete
-    assert not list(tmp_path.glob(".replay_*.py"))
+    assert rec.recorded_args(rec.read_log(new), new) == args
+    assert rec.parse_log(new).complete and rec.parse_log(new).val_losses == run.val_losses
+    assert not list(tmp_path.glob(".replay_*"))
 
 
 # --------------------------------------------------------------------------- with a record's frozen script
@@ -848,4 +902,4 @@ def test_replay_of_a_frozen_record_script_reproduces_its_val_losses(tmp_path):
     assert rec.recorded_args(rec.read_log(log_b), log_b) == [*args[:-2], "--log_dir", "logs_b"]
     run_b = rec.parse_log(log_b)
     assert (run_b.val_steps, run_b.val_losses) == (run_a.val_steps, run_a.val_losses)
-    assert not list(tmp_path.glob(".replay_*.py"))
+    assert not list(tmp_path.glob(".replay_*"))
