@@ -1,33 +1,30 @@
 """speedrun: train a GPT-2-small-class model on FineWeb to val loss <= 3.28, fast.
 
-One file on purpose: records copy it verbatim. The recipe comes first and reads straight through:
-configuration (Hyperparameters, presets) -> data (shards, the BOS-aligned loader, validation batches)
--> model (recipe 89's GPT, a LayerPlan per layer, built with a Backend; its parameter table) -> head and
-losses (FP8 head, softcapped multi-token loss, FP8 MLP; backend_for picks a device's paths once) ->
-optimizers (Polar Express, NorMuon, DistAdam) -> schedule (Schedule.at(step): one StepPlan per step)
--> training (Trainer: warm-up, timed steps, validation). A reader who stops at the fence (a line of
-'=') has read the whole recipe. After it: the run's bookkeeping (the generated CLI and its checks, the
-log, checkpoints, resume, signals, main()), micro-steps in pieces for smaller GPUs, and the CPU
-fallbacks. Other tracks live in files of their own beside this one, loaded only when a flag asks for
-them and carried by the run's log: track3.py (--matrix_optimizer) and ngram_prior.py (--ngram_prior).
-Run with `./run.sh` (torchrun over all GPUs) or `python train_gpt.py --preset cpu`.
-Importing this module registers two torch ops (speedrun::mm_fp8 and speedrun::mm_fp8_backward) and
-does nothing else; main() runs only under __main__.
+One file on purpose: records copy it verbatim. The recipe reads straight through: configuration
+(Hyperparameters, presets) -> data (shards, BOS-aligned loader, validation batches) -> model (recipe
+89's GPT, a LayerPlan per layer, built with a Backend) -> head and losses (FP8 head, softcapped
+multi-token loss, FP8 MLP; backend_for) -> optimizers (Polar Express, NorMuon, DistAdam) -> schedule
+(Schedule.at(step): a StepPlan) -> training (Trainer). The fence (a line of '=') ends the recipe;
+after it: bookkeeping (CLI, log, checkpoints, resume, signals, main()), micro-steps in pieces, CPU
+fallbacks. Other tracks live beside this file, loaded only when a flag asks and carried by the log:
+track3.py (--matrix_optimizer), ngram_prior.py (--ngram_prior).
+Run `./run.sh` (torchrun over all GPUs) or `python train_gpt.py --preset cpu`. Importing registers
+two torch ops (speedrun::mm_fp8, speedrun::mm_fp8_backward) and nothing else.
 """
 
 import os
 import signal
 import sys
 
-if __name__ == "__main__":  # a stop signal or Ctrl-C during the imports below (seconds) ends as before the first step
+if __name__ == "__main__":  # a signal during the slow imports below ends as before the first step
     def _stopped_while_importing(signum, frame):
         if os.environ.get("RANK", "0").strip() in ("", "0"):
             try:
-                print(f"train_gpt.py: stopped by {signal.Signals(signum).name} before the first training step; nothing "
-                      f"new to save", file=sys.stderr)
+                print(f"train_gpt.py: stopped by {signal.Signals(signum).name} before the first "
+                      f"training step; nothing new to save", file=sys.stderr)
             except OSError:  # (no terminal any more: SIGHUP)
                 pass
-        # 130 as main's Ctrl-C, else PREEMPTED_EXIT_CODE (main's handlers take over once the imports are done)
+        # 130 as main's Ctrl-C, else PREEMPTED_EXIT_CODE (main's handlers take over later)
         sys.exit(130 if signum == signal.SIGINT else 75)
 
     for _signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT):
@@ -76,8 +73,7 @@ except ImportError:
 
 
 # ----------------------------------------------------------------------------------------------
-# Configuration: one dataclass of hyperparameters and its presets (the CLI is generated from it,
-# after the fence)
+# Configuration: the Hyperparameters dataclass and its presets (the CLI made of it: after the fence)
 
 
 def hp_field(default, help):
@@ -85,135 +81,153 @@ def hp_field(default, help):
 
 
 def layers_field(default, help):
-    """A list of layer indices of any length (negative ones count from the last layer); empty: none."""
+    """Layer indices, any number (negative: from the last layer); empty: none."""
     return field(default=default, metadata={"help": help, "layers": True})
 
 
 @dataclass
 class Hyperparameters:
     # data
-    train_files: str = hp_field("data/fineweb10B/fineweb_train_*.bin", "glob of training shards (prefixed by $DATA_PATH)")
-    val_files: str = hp_field("data/fineweb10B/fineweb_val_*.bin", "glob of validation shards (prefixed by $DATA_PATH)")
-    synthetic_fallback: bool = hp_field(False, "if no shards match, generate and use the synthetic corpus in data/synthetic/")
-    cycle_data: bool = hp_field(False, "restart from the first training shard when all are used instead of stopping")
+    train_files: str = hp_field("data/fineweb10B/fineweb_train_*.bin",
+                                "glob of training shards (prefixed by $DATA_PATH)")
+    val_files: str = hp_field("data/fineweb10B/fineweb_val_*.bin",
+                              "glob of validation shards (prefixed by $DATA_PATH)")
+    synthetic_fallback: bool = hp_field(False, "if no shards match, generate and use the "
+                                               "synthetic corpus in data/synthetic/")
+    cycle_data: bool = hp_field(False, "when the training shards run out, start over (else: stop)")
     val_tokens: int = hp_field(10_485_760, "validation tokens (a prefix of the validation shards)")
-    val_batch_size: int = hp_field(2_097_152, "validation tokens per validation step, all ranks together")
+    val_batch_size: int = hp_field(2_097_152, "validation tokens per step, all ranks together")
     # model shape
-    vocab_size: int = hp_field(50257, "tokenizer vocabulary; the embedding is padded to a multiple of 128")
+    vocab_size: int = hp_field(50257, "vocabulary size; the embedding pads it to a multiple of 128")
     num_layers: int = hp_field(11, "transformer blocks")
     num_heads: int = hp_field(6, "attention heads")
     head_dim: int = hp_field(128, "dimension per head")
     model_dim: int = hp_field(768, "residual stream width")
     # recipe ideas, each switched off by the value after "off:"
-    bigram_vocab_size: int = hp_field(754_560, "rows of the hashed bigram embedding (50304 x 15; off: 0)")
-    bigram_dim: int = hp_field(192, "width of the bigram embedding, added to the first channels of the stream")
-    bigram_sign_rows: int = hp_field(8192, "rows of the random sign table a bigram's row is multiplied by (off: 0)")
-    value_embed_layers: tuple = layers_field((1, 2, 8, 9, 10), "layers whose values get a value embedding (off: none)")
-    value_embed_tables: tuple = layers_field((0, 1, 2, 3, 4), "the table each of --value_embed_layers reads "
-                                                              "(tables may be shared)")
+    bigram_vocab_size: int = hp_field(754_560, "hashed bigram embedding rows (50304 x 15; off: 0)")
+    bigram_dim: int = hp_field(192, "bigram embedding width (added to the stream's first channels)")
+    bigram_sign_rows: int = hp_field(8192, "random sign rows multiplying the bigram rows (off: 0)")
+    value_embed_layers: tuple = layers_field((1, 2, 8, 9, 10), "layers whose values get a value "
+                                                               "embedding (off: none)")
+    value_embed_tables: tuple = layers_field((0, 1, 2, 3, 4), "the table each of --value_embed_"
+                                                              "layers reads (tables may be shared)")
     value_embed_std: float = hp_field(0.01, "init std of the value embeddings (off: 0, zero init)")
-    value_embed_gates: bool = hp_field(True, "per-head gates 2 sigmoid(w . [x, ve][:12]) on the value embeddings")
-    paired_head_layers: tuple = layers_field((0, 2, 5, 9), "layers where two heads share one interleaved stream "
-                                                           "(off: none)")
-    xsa_layers: tuple = layers_field((1, 3, 4, 7, 8, 10), "layers that subtract a gated share of y along v (off: none)")
-    skip_gate: bool = hp_field(True, "the U-net skip's gate reads x0 (off: a learned constant sigmoid(lambda))")
-    shared_attention_input: bool = hp_field(True, "layers after the backout layer attend over its output (off: "
-                                                  "over their own input)")
-    mudd_dim: int = hp_field(64, "hidden width of the MUDD coefficient networks of the last layer and the output "
-                                 "(off: 0, a backout lambda instead)")
-    sublayer_scalars: bool = hp_field(True, "residual and output lambdas per sublayer, x0 added after attention (off: "
-                                            "one residual and x0 lambda per layer before it)")
-    fp8_mlp: bool = hp_field(True, "MLP matmuls in FP8 with delayed scales where --fp8 puts the head in FP8")
-    untie_stage: int = hp_field(2, "stage at whose first odd step the embedding leaves the head (off: -1, tied)")
+    value_embed_gates: bool = hp_field(True, "per-head gates 2 sigmoid(w . [x, ve][:12]) on the "
+                                             "value embeddings")
+    paired_head_layers: tuple = layers_field((0, 2, 5, 9), "layers where two heads share one "
+                                                           "interleaved stream (off: none)")
+    xsa_layers: tuple = layers_field((1, 3, 4, 7, 8, 10), "layers that subtract a gated share of y "
+                                                          "along v (off: none)")
+    skip_gate: bool = hp_field(True, "the U-net skip's gate reads x0 (off: a learned constant "
+                                     "sigmoid(lambda))")
+    shared_attention_input: bool = hp_field(True, "layers after the backout layer attend over its "
+                                                  "output (off: over their own input)")
+    mudd_dim: int = hp_field(64, "hidden width of the MUDD coefficient networks of the last layer "
+                                 "and the output (off: 0, a backout lambda instead)")
+    sublayer_scalars: bool = hp_field(True, "residual and output lambdas per sublayer, x0 added "
+                                            "after attention (off: residual and x0 lambdas before)")
+    fp8_mlp: bool = hp_field(True, "MLP matmuls in FP8 (delayed scales) where --fp8 puts the head")
+    untie_stage: int = hp_field(2, "stage at whose first odd step the embedding leaves the head "
+                                   "(off: -1, tied)")
     softcap_scale: float = hp_field(23.0, "logits -> scale * sigmoid((logits + offset) / 7.5)")
     softcap_offset: float = hp_field(5.0, "the softcap's offset (off: 0)")
     mtp_weights_start: tuple = hp_field((1.0, 0.5, 0.25, 1.0, 0.5, 0.0, 1.0, 0.0, 0.0),
-                                        "loss weights of the next 3 tokens at each stage's start, stage after stage "
-                                        "(off: 1 0 0 1 0 0 1 0 0)")
+                                        "loss weights of the next 3 tokens at each stage's start, "
+                                        "stage after stage (off: 1 0 0 1 0 0 1 0 0)")
     mtp_weights_end: tuple = hp_field((1.0, 0.5, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0),
-                                      "the same at each stage's end (linear in between; the extension keeps stage "
-                                      "3's end)")
-    head_fp8_amax: tuple = hp_field((100.0, 1.6, 0.75), "largest values the FP8 head casts: activations, weights, "
-                                                        "gradients")
-    gates_in_adam: bool = hp_field(True, "the gate weights train with DistAdam (off: with the matrix optimizer)")
-    ngram_prior: float = hp_field(0.0, "weight of a fixed prior added to the softcapped logits: the log-probability "
-                                       "of the next token under interpolated modified Kneser-Ney of order "
-                                       "--ngram_prior_order, counted from the training shards on the clock at the "
-                                       "start of training; the multi-token loss scores the same logits against "
-                                       "tokens 2 and 3 (CPU loss path only; off: 0)")
-    ngram_prior_order: int = hp_field(2, "order of --ngram_prior's model: its context is the last order - 1 tokens "
-                                         "(2 ... 5)")
+                                      "the same at each stage's end (linear in between; the "
+                                      "extension keeps stage 3's end)")
+    head_fp8_amax: tuple = hp_field((100.0, 1.6, 0.75), "largest values the FP8 head casts: "
+                                                        "activations, weights, gradients")
+    gates_in_adam: bool = hp_field(True, "gates train with DistAdam (off: the matrix optimizer)")
+    ngram_prior: float = hp_field(0.0, "weight of a fixed prior added to the softcapped logits: "
+                                       "log P(next token) of ngram_prior.py's count model (off: 0)")
+    ngram_prior_order: int = hp_field(2, "the prior's order (2 ... 5): contexts of order-1 tokens")
     # batches and schedule
-    num_scheduled_iterations: int = hp_field(1380, "steps of the scheduled run (thirds set batch size, lr, window)")
-    num_extension_iterations: int = hp_field(10, "extra steps at the final batch size, window and lr")
-    batch_sizes: tuple = hp_field((131072, 262144, 393216), "tokens per optimizer step in each third of the run")
+    num_scheduled_iterations: int = hp_field(1380, "steps of the scheduled run (thirds set batch "
+                                                   "size, lr, window)")
+    num_extension_iterations: int = hp_field(10, "extra steps at the final batch size, window, lr")
+    batch_sizes: tuple = hp_field((131072, 262144, 393216), "tokens per step in each third")
     max_seq_len: int = hp_field(2048, "longest document piece in a training batch")
-    first_stage_max_seq_len: int = hp_field(896, "longest document piece in the first third (off: 0, --max_seq_len)")
-    grad_accum_base: int = hp_field(8, "world size with one micro-step per step; fewer ranks accumulate base/world")
-    micro_batch_tokens: int = hp_field(0, "most tokens per forward/backward per rank: longer micro-steps run as "
-                                          "pieces of whole documents with their context, padded to N + max_seq_len + "
-                                          "2 positions, whose gradients add up (0: no cap)")
+    first_stage_max_seq_len: int = hp_field(896, "longest document piece in the first third (off: "
+                                                 "0, --max_seq_len)")
+    grad_accum_base: int = hp_field(8, "world size with one micro-step per step; fewer ranks "
+                                       "accumulate base/world")
+    micro_batch_tokens: int = hp_field(0, "most tokens per forward/backward per rank; longer "
+                                          "micro-steps run in pieces (0: no cap)")
     lr_multipliers: tuple = hp_field((1.0, 1.52, 1.73), "lr multiplier in each third")
-    cooldown_frac: float = hp_field(0.6, "fraction of scheduled steps over which lr cools down linearly")
-    final_lr_multiplier: float = hp_field(0.15, "lr multiplier at the end of cooldown and during extension")
+    cooldown_frac: float = hp_field(0.6, "share of scheduled steps over which lr decays linearly")
+    final_lr_multiplier: float = hp_field(0.15, "lr multiplier after cooldown and in the extension")
     window_block_tokens: int = hp_field(128, "tokens per attention-window block")
-    window_blocks: tuple = hp_field((3, 7, 11), "long attention window (blocks) in each third; short = long // 2")
+    window_blocks: tuple = hp_field((3, 7, 11), "long window (blocks) per third; short = long // 2")
     extension_window_blocks: int = hp_field(13, "long window during the extension steps")
     final_val_window_blocks: int = hp_field(20, "long window for the final validation (no YaRN)")
     # record optimizers: NorMuon (hidden matrices and gates), DistAdam (the rest)
     muon_lr: float = hp_field(0.023, "NorMuon learning rate")
-    muon_wd: float = hp_field(1.2, "NorMuon cautious weight decay (applied as wd*lr, so it follows lr^2)")
-    muon_momentum: tuple = hp_field((0.85, 0.95), "NorMuon momentum: start/end value of the warm-up")
+    muon_wd: float = hp_field(1.2, "NorMuon cautious weight decay (applied as wd*lr, so it follows "
+                                   "lr^2)")
+    muon_momentum: tuple = hp_field((0.85, 0.95), "NorMuon momentum: start/end of the warm-up")
     muon_momentum_warmup_steps: int = hp_field(300, "steps of the momentum warm-up")
-    muon_momentum_cooldown_steps: int = hp_field(50, "final steps over which momentum returns to its start value")
+    muon_momentum_cooldown_steps: int = hp_field(50, "final steps over which momentum returns to "
+                                                     "its start value")
     muon_beta2: float = hp_field(0.9, "NorMuon second-moment decay")
-    muon_qk_head_pairs: bool = hp_field(True, "NorMuon orthogonalizes Q and K per head pair (off: Q and K whole)")
+    muon_qk_head_pairs: bool = hp_field(True, "NorMuon orthogonalizes Q and K per head pair (off: "
+                                              "Q and K whole)")
     adam_lr: float = hp_field(0.008, "DistAdam learning rate")
-    adam_betas: tuple = hp_field((0.65, 0.95), "DistAdam betas (of every parameter without --adam_group_betas)")
-    adam_group_betas: bool = hp_field(True, "each kind of parameter has its own DistAdam betas (the recipe's table)")
+    adam_betas: tuple = hp_field((0.65, 0.95), "DistAdam betas (of every parameter without "
+                                               "--adam_group_betas)")
+    adam_group_betas: bool = hp_field(True, "each kind of parameter has its own DistAdam betas "
+                                            "(the recipe's table)")
     adam_eps: float = hp_field(1e-10, "DistAdam epsilon")
     adam_wd: float = hp_field(0.005, "DistAdam cautious weight decay")
-    # track 3, the optimizer race: the optimizer of the hidden matrices and gates (DistAdam keeps the rest)
-    matrix_optimizer: str = hp_field("normuon", "optimizer of the hidden matrices and gates: normuon, or "
-                                                "one of track3.py's (docs/track3.md)")
+    # track 3, the optimizer race: the optimizer of hidden matrices and gates (DistAdam: the rest)
+    matrix_optimizer: str = hp_field("normuon", "optimizer of the hidden matrices and gates: "
+                                                "normuon, or one of track3.py's (docs/track3.md)")
     # run
     seed: int = hp_field(0, "random seed for initialization")
-    val_loss_every: int = hp_field(250, "validate every N steps and at the end (0: only at the end)")
-    warmup_steps: int = hp_field(3, "untimed compile warm-up steps per stage, undone afterwards (0: none)")
+    val_loss_every: int = hp_field(250, "validate every N steps and at the end (0: only the end)")
+    warmup_steps: int = hp_field(3, "untimed compile warm-up steps per stage, undone afterwards "
+                                    "(0: none)")
     device: str = hp_field("auto", "auto (CUDA when present, else CPU), cuda or cpu")
     compile: bool = hp_field(True, "torch.compile the model (CUDA only; CPU always runs eager)")
-    fp8: str = hp_field("auto", "FP8 head (and --fp8_mlp) matmuls in training: auto (CUDA, capability >= 8.9), on, off")
+    fp8: str = hp_field("auto", "FP8 head (and --fp8_mlp) matmuls in training: auto (CUDA, "
+                                "capability >= 8.9), on, off")
     run_id: str = hp_field("", "name of the log file logs/<run_id>.txt (default: a new uuid)")
     log_dir: str = hp_field("logs", "folder for logs, profiler traces and checkpoints")
     save_every: int = hp_field(0, "write a resumable checkpoint every N steps (even N; 0: never)")
     save_checkpoint: bool = hp_field(False, "write a checkpoint at the end of the run")
-    resume: str = hp_field("", "checkpoint to resume from, or auto: the newest sound one of --run_id (none: start fresh)")
-    force: bool = hp_field(False, "resume even if the checkpoint was written by a different script or with other training settings")
-    profile: str = hp_field("", "START:END steps to record with the PyTorch profiler (Chrome trace next to the log)")
+    resume: str = hp_field("", "checkpoint to resume from, or auto: the newest sound one of "
+                               "--run_id (none: start fresh)")
+    force: bool = hp_field(False, "resume even if the checkpoint was written by a different script "
+                                  "or with other training settings")
+    profile: str = hp_field("", "START:END steps to record with the PyTorch profiler (Chrome trace "
+                                "next to the log)")
     cpu_threads: int = hp_field(0, "torch threads per process on CPU (0: cores / local processes)")
 
 
-# The sections of Hyperparameters, by their first field: --help groups the flags by them, docs/configuration.md too.
+# Hyperparameters' sections by their first field: --help and docs/configuration.md group by them.
 HP_SECTIONS = {"train_files": "data", "vocab_size": "model shape",
                "bigram_vocab_size": "recipe ideas, each switched off by the value after \"off:\"",
                "num_scheduled_iterations": "batches and schedule",
-               "muon_lr": "record optimizers: NorMuon (hidden matrices and gates), DistAdam (the rest)",
-               "matrix_optimizer": "track 3, the optimizer race",
+               "muon_lr": "record optimizers: NorMuon (hidden matrices and gates), "
+                          "DistAdam (the rest)", "matrix_optimizer": "track 3, the optimizer race",
                "seed": "run"}
 
 # --preset NAME: values applied before the flags
 PRESETS = {
     "record": {},
-    "cpu": dict(  # 2 CPU cores, ~440 s of training with the prior's counting (the track's budget: 500 s); tuned on the novels corpus (records/track_cpu)
+    "cpu": dict(  # 2 CPU cores: ~440 s with the prior (budget 500 s); tuned on novels
         device="cpu",  # also where CUDA exists (add --device cuda to run it on a GPU)
-        synthetic_fallback=True, val_tokens=65_536, val_batch_size=8_192, num_layers=9, num_heads=2, head_dim=64,
-        model_dim=128, num_scheduled_iterations=132, num_extension_iterations=4, batch_sizes=(2048, 3072, 4096),
-        max_seq_len=1024, grad_accum_base=1, window_blocks=(2, 4, 6), extension_window_blocks=7,
-        final_val_window_blocks=8, muon_momentum_warmup_steps=20, muon_momentum_cooldown_steps=5, adam_lr=0.005, muon_lr=0.00575,
-        val_loss_every=44, warmup_steps=0, bigram_dim=32,
-        # the layer lists count from the end after the attention-free layer, so other depths keep the layout
-        paired_head_layers=(0, 4, -2), xsa_layers=(1, 2, 3, -3, -1), value_embed_layers=(1, 2, -3, -2, -1),
-        first_stage_max_seq_len=448, lr_multipliers=(1.0, 1.28, 1.41), ngram_prior=1.0, ngram_prior_order=5),
+        synthetic_fallback=True, val_tokens=65_536, val_batch_size=8_192, num_layers=9, num_heads=2,
+        head_dim=64, model_dim=128, num_scheduled_iterations=132, num_extension_iterations=4,
+        batch_sizes=(2048, 3072, 4096), max_seq_len=1024, grad_accum_base=1,
+        window_blocks=(2, 4, 6), extension_window_blocks=7, final_val_window_blocks=8,
+        muon_momentum_warmup_steps=20, muon_momentum_cooldown_steps=5, adam_lr=0.005,
+        muon_lr=0.00575, val_loss_every=44, warmup_steps=0, bigram_dim=32,
+        # layer lists count from the end after the attention-free layer: other depths keep them
+        paired_head_layers=(0, 4, -2), xsa_layers=(1, 2, 3, -3, -1),
+        value_embed_layers=(1, 2, -3, -2, -1), first_stage_max_seq_len=448,
+        lr_multipliers=(1.0, 1.28, 1.41), ngram_prior=1.0, ngram_prior_order=5),
 }
 
 
@@ -222,15 +236,15 @@ class ConfigError(ValueError):
 
 
 MTP_HORIZON = 3  # the multi-token-prediction loss weighs the next 1, 2 and 3 tokens
-# The smallest --micro_batch_tokens cap: one attention tile. A piece runs its tokens, up to --max_seq_len tokens of
-# context and 2 targets, so 128-token pieces already spend ~17 positions per token trained at --max_seq_len 2048;
-# smaller caps only multiply the forwards (a cap of 1: thousands per step, for hours).
+# The smallest --micro_batch_tokens cap: one attention tile. A piece runs its tokens, up to
+# --max_seq_len tokens of context and 2 targets, so 128-token pieces already spend ~17 positions per
+# token trained at --max_seq_len 2048; smaller caps only multiply the forwards.
 MIN_MICRO_BATCH_TOKENS = 128
-# The CPU loss sums exp(logits) unshifted in fp32 (the prior's log-probabilities are <= 0: nothing overflows). Under
-# the prior a context's likeliest next token may have P = 1 / vocab, so every row's sum stays above 0 (whose log
-# is -inf) while --ngram_prior x ln(vocab) <= 87 (exp(-87) is about fp32's smallest normal): a weight <= 8.04.
+# The CPU loss sums exp(logits) unshifted in fp32 (the prior's log-probabilities are <= 0). A
+# context's likeliest next token may have P = 1 / vocab, so every row's sum stays above 0 while
+# --ngram_prior x ln(vocab) <= 87 (exp(-87) ~ fp32's smallest normal): a weight <= 8.04.
 PRIOR_EXP_FLOOR = 87.0
-MAX_NGRAM_ORDER = 5  # --ngram_prior_order: a context of up to 4 tokens packs into a uint64 (count_ngrams)
+MAX_NGRAM_ORDER = 5  # --ngram_prior_order: <= 4 context tokens pack into a uint64 (count_ngrams)
 
 
 def grad_accum_steps(hp, world_size):
@@ -240,15 +254,13 @@ def grad_accum_steps(hp, world_size):
 
 def tokens_per_rank(batch_tokens, world_size, accum, what="--batch_sizes"):
     if batch_tokens % (world_size * accum):
-        raise ConfigError(
-            f"{what} value {batch_tokens} does not split over {world_size} ranks x {accum} accumulation steps; "
-            f"use a multiple of {world_size * accum}")
+        raise ConfigError(f"{what} value {batch_tokens} does not split over {world_size} ranks x "
+                          f"{accum} accumulation steps; use a multiple of {world_size * accum}")
     return batch_tokens // (world_size * accum)
 
 
 # ----------------------------------------------------------------------------------------------
-# Data: .bin shards, BOS-aligned distributed batches (in pieces under --micro_batch_tokens),
-# validation batches
+# Data: .bin shards, BOS-aligned batches (in pieces under --micro_batch_tokens), validation batches
 
 
 BOS_ID = 50256  # <|endoftext|>: every document starts with it
@@ -262,59 +274,63 @@ class DataError(ValueError):
 
 
 def read_shard(path, vocab_size=None, max_tokens=None):
-    """Tokens of a .bin shard as uint16, after checking the header against the file size; with
-    vocab_size, every id read must be below it; with max_tokens, only that prefix is read."""
+    """A .bin shard's tokens (uint16), its header checked against the file size; with vocab_size,
+    every id read must be below it; with max_tokens, only that prefix is read."""
     path = Path(path)
     header_bytes = SHARD_HEADER_INTS * 4
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
             if size < header_bytes:
-                raise DataError(f"{path}: corrupt shard: {size} bytes is shorter than the {header_bytes}-byte header")
+                raise DataError(f"{path}: corrupt shard: {size} bytes is shorter than the "
+                                f"{header_bytes}-byte header")
             header = np.frombuffer(f.read(header_bytes), dtype="<i4")
             if header[0] != SHARD_MAGIC:
-                raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a GPT-2 token shard")
+                raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a "
+                                f"GPT-2 token shard")
             if header[1] != SHARD_VERSION:
-                raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+                raise DataError(f"{path}: unsupported shard version {header[1]} "
+                                f"(expected {SHARD_VERSION})")
             n = int(header[2])
             if n < 0:
                 raise DataError(f"{path}: corrupt shard: negative token count {n} in the header")
             expected = header_bytes + 2 * n
             if size != expected:
                 what = "truncated" if size < expected else "oversized"
-                raise DataError(f"{path}: {what} shard: header says {n} tokens ({expected} bytes) but the file has "
-                                f"{size} bytes; re-download or re-tokenize it")
+                raise DataError(f"{path}: {what} shard: header says {n} tokens ({expected} bytes) "
+                                f"but the file has {size} bytes; re-download or re-tokenize it")
             count = n if max_tokens is None else min(n, max_tokens)
             data = f.read(2 * count)
             if len(data) != 2 * count:
-                raise DataError(f"{path}: the shard shrank while it was read ({len(data)} of {2 * count} bytes); is "
-                                f"another process writing it?")
+                raise DataError(f"{path}: the shard shrank while it was read ({len(data)} of "
+                                f"{2 * count} bytes); is another process writing it?")
             tokens = np.frombuffer(data, dtype="<u2")
     except OSError as e:
         raise DataError(f"{path}: cannot read shard ({e.strerror or e})") from None
     if vocab_size is not None and tokens.size and tokens.max() >= vocab_size:
         position = int(np.argmax(tokens >= vocab_size))
-        raise DataError(f"{path}: token id {tokens[position]} at position {position} is not below the vocabulary "
-                        f"size {vocab_size}")
+        raise DataError(f"{path}: token id {tokens[position]} at position {position} is not below "
+                        f"the vocabulary size {vocab_size}")
     return tokens
 
 
-SHARD_SAMPLES, SHARD_SAMPLE_BYTES = 64, 4096  # what shard_fingerprint reads besides the header: 256 KiB
+SHARD_SAMPLES, SHARD_SAMPLE_BYTES = 64, 4096  # shard_fingerprint reads these (256 KiB), the header
 
 
 class BosIndex:
-    """Positions of BOS tokens in a shard: the first BOS_SYNC_TOKENS synchronously, the rest as a job
-    on `pool` (a background thread), so a new shard is usable at once."""
+    """A shard's BOS positions: the first BOS_SYNC_TOKENS at once, the rest on `pool` (a background
+    thread), so a new shard is usable at once."""
 
     def __init__(self, tokens, pool):
         head = np.flatnonzero(tokens[:BOS_SYNC_TOKENS] == BOS_ID)
         self._parts = [head]
         self._rest = None
         if tokens.size > BOS_SYNC_TOKENS:
-            self._rest = pool.submit(lambda: np.flatnonzero(tokens[BOS_SYNC_TOKENS:] == BOS_ID) + BOS_SYNC_TOKENS)
+            self._rest = pool.submit(lambda: np.flatnonzero(tokens[BOS_SYNC_TOKENS:] == BOS_ID)
+                                     + BOS_SYNC_TOKENS)
 
     def available(self, need_all=False):
-        """All positions indexed so far (waits for the background part if need_all or nothing is left)."""
+        """The positions indexed so far (all of them, waiting, with need_all)."""
         if self._rest is not None and (need_all or self._rest.done()):
             self._parts = [np.concatenate([self._parts[0], self._rest.result()])]
             self._rest = None
@@ -331,10 +347,10 @@ def load_shard_with_index(path, pool, vocab_size=None):
 
 
 def plan_pieces(bos, shard_len, cursor, world_size, rank_tokens, max_seq_len, index_complete=True):
-    """Walk BOS positions from `cursor`: rank 0 takes pieces until it has rank_tokens, then rank 1...
-    A piece starts at a BOS and ends at the next BOS, max_seq_len, or the rank's quota.
-    Returns ([(starts, lengths)] per rank, next cursor), or None if the BOS list runs out.
-    With an incomplete index the last known BOS has no known end, so it is not used."""
+    """Walk BOS positions from `cursor`: rank 0 takes pieces until it has rank_tokens, then rank
+    1... A piece runs from a BOS to the next BOS, max_seq_len or the rank's quota. Returns
+    ([(starts, lengths)] per rank, next cursor), or None when the BOS list runs out (an incomplete
+    index's last BOS, whose end is unknown, is not used)."""
     ends = np.append(bos[cursor + 1:], shard_len) if index_complete else bos[cursor + 1:]
     if len(ends) == 0:
         return None
@@ -342,7 +358,7 @@ def plan_pieces(bos, shard_len, cursor, world_size, rank_tokens, max_seq_len, in
     cumulative = np.cumsum(lengths)
     plan, taken, first = [], 0, 0
     for _ in range(world_size):
-        last = int(np.searchsorted(cumulative, taken + rank_tokens))  # first piece reaching the quota
+        last = int(np.searchsorted(cumulative, taken + rank_tokens))  # first to reach the quota
         if last >= len(cumulative):
             return None
         piece_lengths = lengths[first: last + 1].copy()
@@ -368,9 +384,9 @@ def padded_cu_seqlens(lengths, total):
 
 
 def bigram_hash(inputs, rows):
-    """Record #89's hashed bigram ids of a packed sequence, in its int32 arithmetic (products wrap): row
-    rows - 1 is reserved for position 0; position 1 pairs its token with that reserved id (the reference
-    overwrites position 0 before reading it), position t >= 2 with token t - 1, across documents too."""
+    """Record #89's hashed bigram ids of a packed sequence, in its int32 arithmetic (products wrap).
+    Row rows - 1 is position 0's; position 1 pairs its token with that id (the reference overwrites
+    position 0 before reading it), position t >= 2 with token t - 1, across documents too."""
     mod = rows - 1
     x = inputs.astype(np.int32)
     previous = np.concatenate([[mod], x[1:-1]]).astype(np.int32)
@@ -384,53 +400,57 @@ class Batch(NamedTuple):
     targets: Tensor  # int64 (NO_TARGET where a piece has none)
     cu_seqlens: Tensor  # int32, padded to a static length
     bigram_ids: Tensor | None  # int32 hashed bigrams (recipe 89's bigram embedding), or None
-    positions: Tensor | None = None  # a micro-step piece's rotary positions (int64, in its micro-step), or None
-    loss_mask: Tensor | None = None  # a piece's positions whose own loss terms count (bool), or None
+    positions: Tensor | None = None  # a micro-step piece's rotary positions (int64), or None
+    loss_mask: Tensor | None = None  # a piece's positions whose loss terms count (bool), or None
 
 
 def to_device(inputs, targets, cu_seqlens, device, bigram_ids=None, positions=None, loss_mask=None):
     """A Batch on `device` (pinned + non_blocking on CUDA)."""
-    arrays = [inputs.astype(np.int32), targets.astype(np.int64), cu_seqlens, bigram_ids, positions, loss_mask]
+    arrays = [inputs.astype(np.int32), targets.astype(np.int64), cu_seqlens, bigram_ids, positions,
+              loss_mask]
     tensors = [None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
     if device.type == "cuda":
-        tensors = [None if t is None else t.pin_memory().to(device, non_blocking=True) for t in tensors]
+        tensors = [None if t is None else t.pin_memory().to(device, non_blocking=True)
+                   for t in tensors]
     else:
         tensors = [None if t is None else t.to(device) for t in tensors]
     return Batch(*tensors)
 
 
 def model_inputs(window, doc_lengths, device, bigram_ids=None):
-    """The Batch the models take for a window of tokens (inputs window[:-1], targets window[1:]) whose
-    inputs are documents of `doc_lengths` (a longer last length is cut), with the inputs' hashed bigram
-    ids if the model has a bigram embedding (bigram_hash, over the sequence the ids belong to). Training
-    pieces, validation batches, tools/sample.py and tools/plan_memory.py all go through here."""
+    """The Batch of a window of tokens (inputs window[:-1], targets window[1:]) whose inputs are
+    documents of `doc_lengths` (a longer last one is cut), with the inputs' hashed bigram ids if the
+    model has a bigram embedding. Training, validation and the tools all go through here."""
     positions = len(window) - 1
-    return to_device(window[:-1], window[1:], padded_cu_seqlens(doc_lengths, positions), device, bigram_ids)
+    return to_device(window[:-1], window[1:], padded_cu_seqlens(doc_lengths, positions), device,
+                     bigram_ids)
 
 
-NO_TARGET = -1  # a piece's target where the uncut micro-step has none (padding, past the micro-step's end)
+NO_TARGET = -1  # a piece's target where the uncut micro-step has none (padding, past its end)
 
 
 class TrainLoader:
-    """BOS-aligned batches for one rank. The walk over documents is the same on every rank (each
-    computes the global plan and keeps its own part), so ranks never need to talk about data."""
+    """BOS-aligned batches for one rank. Every rank walks the same global plan and keeps its part,
+    so ranks never talk about data."""
 
-    def __init__(self, pattern, rank, world_size, device, cycle=False, vocab_size=None, pool=None, bigram_rows=0):
+    def __init__(self, pattern, rank, world_size, device, cycle=False, vocab_size=None, pool=None,
+                 bigram_rows=0):
         self.files = sorted(glob.glob(pattern))
         if not self.files:
             raise DataError(f"no training shards match {pattern!r}; download them with "
                             f"`python data/cached_fineweb10B.py` or pass --train_files")
         self.shard_tokens, self.fingerprints = [], []
-        for path in self.files:  # every file readable, with a sound header and some tokens, before the first step
+        for path in self.files:  # each readable, with a sound header and tokens, before step 1
             read_shard(path, max_tokens=0)
             self.shard_tokens.append((os.path.getsize(path) - SHARD_HEADER_INTS * 4) // 2)
             if self.shard_tokens[-1] == 0:
-                raise DataError(f"{path}: the shard holds no tokens (a header only); remove it or re-tokenize")
+                raise DataError(f"{path}: the shard holds no tokens (a header only); remove it or "
+                                f"re-tokenize")
             self.fingerprints.append(shard_fingerprint(path))
         self.rank, self.world_size, self.device, self.cycle = rank, world_size, device, cycle
         self.vocab_size = vocab_size  # token ids are checked against it as each shard is read
         self.bigram_rows = bigram_rows  # rows of the model's bigram embedding (0: none)
-        self.piece_counts = np.zeros(3, dtype=np.int64)  # next_pieces': tokens, positions, documents cut
+        self.piece_counts = np.zeros(3, dtype=np.int64)  # next_pieces': tokens, positions, cut docs
         # one background thread reads the next shard, one indexes BOS positions
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="loader")
         self.reset()
@@ -448,15 +468,17 @@ class TrainLoader:
 
     def _check_has_documents(self):
         if self.bos.available(need_all=True).size == 0:
-            raise DataError(f"{self.files[self.shard]}: no document start (token {BOS_ID}) in its {self.tokens.size} "
-                            f"tokens; every document must begin with it (re-tokenize the shard)")
+            raise DataError(f"{self.files[self.shard]}: no document start (token {BOS_ID}) in its "
+                            f"{self.tokens.size} tokens; every document must begin with it "
+                            f"(re-tokenize the shard)")
 
     def _check_has_text(self):
-        """Refuse a shard of nothing but document tokens (as far as it is indexed: a large one's first part)."""
+        """Refuse a shard of nothing but document tokens (as far as it is indexed)."""
         starts = self.bos.available().size
         if starts == (self.tokens.size if self.bos.complete else BOS_SYNC_TOKENS):
-            raise DataError(f"{self.files[self.shard]}: its {'' if self.bos.complete else 'first '}{starts:,} tokens are "
-                            f"all the document token {BOS_ID}, documents with no text; re-tokenize the shard")
+            raise DataError(f"{self.files[self.shard]}: its {'' if self.bos.complete else 'first '}"
+                            f"{starts:,} tokens are all the document token {BOS_ID}, documents "
+                            f"with no text; re-tokenize the shard")
 
     def close(self):
         """Stop the background threads (a pending prefetch is dropped)."""
@@ -471,19 +493,20 @@ class TrainLoader:
                     fingerprints=self.fingerprints)
 
     def load_state_dict(self, state):
-        """Continue where the state was taken. The position (shard, BOS cursor) is that of the global
-        walk over documents, which every rank computes, so it holds at any world size: the next batch
-        starts at the first document no rank has trained on. Shards are matched by file name, so the
-        data may live elsewhere (another node, another DATA_PATH)."""
+        """Continue where the state was taken. (shard, BOS cursor) is a place in the global walk, so
+        it holds at any world size: the next batch starts at the first document no rank trained on.
+        Shards match by file name: the data may live elsewhere (another node, DATA_PATH)."""
         if [Path(f).name for f in state["files"]] != [Path(f).name for f in self.files]:
-            raise DataError("the training shards differ from those of the checkpoint; pass the same --train_files")
+            raise DataError("the training shards differ from those of the checkpoint; pass the "
+                            "same --train_files")
         self.reset(state["shard"], state["cursor"], state["epoch"])
 
     def _advance_shard(self):
         if self.shard + 1 == len(self.files):
             if not self.cycle:
-                raise DataError(f"all {len(self.files)} training shards are used up; download more shards "
-                                f"(python data/cached_fineweb10B.py N) or pass --cycle_data true")
+                raise DataError(f"all {len(self.files)} training shards are used up; download "
+                                f"more shards (python data/cached_fineweb10B.py N) or pass "
+                                f"--cycle_data true")
             self.epoch += 1
         self.shard = self._following_shard()
         self.cursor = 0
@@ -496,24 +519,26 @@ class TrainLoader:
         return self.next_pieces(rank_tokens, max_seq_len, rank_tokens)[0]
 
     def next_pieces(self, rank_tokens, max_seq_len, max_piece_tokens):
-        """This rank's next micro-step of rank_tokens tokens as one Batch, or, if longer than max_piece_tokens,
-        as the Batches of its pack_documents pieces (piece_inputs). The walk over documents does not depend on
-        max_piece_tokens, nor do the bigram ids (hashed over the whole micro-step, as the reference does).
-        Counts the pieces' tokens, positions and cut documents in self.piece_counts."""
+        """This rank's next micro-step of rank_tokens tokens as one Batch, or, if longer than
+        max_piece_tokens, as its pack_documents pieces' Batches. Neither the walk nor the bigram ids
+        (hashed over the whole micro-step, as the reference) depend on max_piece_tokens. Counts the
+        pieces' tokens, positions and cut documents in self.piece_counts."""
         for _ in range(2 * len(self.files) + 1):
             plan = None
             if not self.bos.complete:
-                plan = plan_pieces(self.bos.available(), len(self.tokens), self.cursor, self.world_size, rank_tokens + 1,
-                                   max_seq_len, index_complete=self.bos.complete)
+                plan = plan_pieces(self.bos.available(), len(self.tokens), self.cursor,
+                                   self.world_size, rank_tokens + 1, max_seq_len,
+                                   index_complete=self.bos.complete)
             if plan is None:
                 self._check_has_documents()
-                plan = plan_pieces(self.bos.available(need_all=True), len(self.tokens), self.cursor, self.world_size,
-                                   rank_tokens + 1, max_seq_len)
+                plan = plan_pieces(self.bos.available(need_all=True), len(self.tokens), self.cursor,
+                                   self.world_size, rank_tokens + 1, max_seq_len)
             if plan is not None:
                 break
             self._advance_shard()
         else:
-            raise DataError(f"the training shards {self.files[0]}... are too small for {rank_tokens} tokens per rank")
+            raise DataError(f"the training shards {self.files[0]}... are too small for "
+                            f"{rank_tokens} tokens per rank")
         pieces, self.cursor = plan
         starts, lengths = pieces[self.rank]
         buf = gather_pieces(self.tokens, starts, lengths)
@@ -523,11 +548,12 @@ class TrainLoader:
         bounds, cut = pack_documents(cut_lengths(lengths, 0, rank_tokens), max_piece_tokens)
         length = padded_piece_length(rank_tokens, max_piece_tokens, max_seq_len)
         self.piece_counts += (rank_tokens, length * len(bounds), cut)
-        return [piece_inputs(buf, lengths, start, stop, length, self.device, bigram_ids) for start, stop in bounds]
+        return [piece_inputs(buf, lengths, start, stop, length, self.device, bigram_ids)
+                for start, stop in bounds]
 
 
 def read_validation_tokens(pattern, count, vocab_size=None):
-    """The first `count` tokens of the validation shards (in name order), reading no more than that."""
+    """The first `count` tokens of the validation shards (in name order), reading no more."""
     files = sorted(glob.glob(pattern))
     if not files:
         raise DataError(f"no validation shards match {pattern!r}; download them with "
@@ -539,15 +565,16 @@ def read_validation_tokens(pattern, count, vocab_size=None):
         parts.append(read_shard(path, vocab_size, max_tokens=count - have))
         have += parts[-1].size
     if have < count:
-        raise DataError(f"validation shards {pattern!r} hold {have} tokens, but --val_tokens {count - 1} needs {count} "
-                        f"(one more than the inputs: the last target); lower --val_tokens or add validation shards")
+        raise DataError(f"validation shards {pattern!r} hold {have} tokens, but --val_tokens "
+                        f"{count - 1} needs {count} (one more than the inputs: the last target); "
+                        f"lower --val_tokens or add validation shards")
     return np.concatenate(parts)
 
 
 def validation_windows(tokens, val_tokens, val_batch_size, rank, world_size, accum):
-    """(window, document lengths) of each validation forward: the first val_tokens of `tokens`
-    (read_validation_tokens) in val_batch_size steps; rank r takes its contiguous slice of each step (split
-    into `accum` forward passes). Not BOS-aligned; documents still never mix in attention."""
+    """(window, document lengths) of each validation forward over the first val_tokens of `tokens`,
+    in val_batch_size steps; rank r takes its contiguous slice of each step (`accum` forwards). Not
+    BOS-aligned; documents still never mix in attention."""
     chunk = tokens_per_rank(val_batch_size, world_size, accum, what="--val_batch_size")
     for start in range(0, val_tokens, chunk * world_size):
         begin = start + rank * chunk
@@ -556,10 +583,13 @@ def validation_windows(tokens, val_tokens, val_batch_size, rank, world_size, acc
         yield buf, np.diff(np.concatenate([[0], starts[starts > 0], [chunk]]))
 
 
-def validation_batches(tokens, val_tokens, val_batch_size, rank, world_size, accum, device, bigram_rows=0):
+def validation_batches(tokens, val_tokens, val_batch_size, rank, world_size, accum, device,
+                       bigram_rows=0):
     """The Batch of each validation forward (validation_windows)."""
-    for buf, lengths in validation_windows(tokens, val_tokens, val_batch_size, rank, world_size, accum):
-        yield model_inputs(buf, lengths, device, bigram_hash(buf[:-1], bigram_rows) if bigram_rows else None)
+    for buf, lengths in validation_windows(tokens, val_tokens, val_batch_size, rank, world_size,
+                                           accum):
+        yield model_inputs(buf, lengths, device,
+                           bigram_hash(buf[:-1], bigram_rows) if bigram_rows else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -575,9 +605,9 @@ def norm(x):
 
 
 class ParamSpec(NamedTuple):
-    """What the optimizers know of a parameter (GPT.param_table): its kind, which optimizer trains it
-    ("matrix": NorMuon or track 3's; "adam": DistAdam), its lr and decay multipliers, into how many row
-    blocks the matrix optimizer cuts it, and its own DistAdam betas (None: DistAdam's)."""
+    """What the optimizers know of a parameter (GPT.param_table): its kind, its optimizer ("matrix":
+    NorMuon or track 3's; "adam": DistAdam), lr and decay multipliers, the row blocks the matrix
+    optimizer cuts it into, its own DistAdam betas (None: DistAdam's)."""
     label: str
     optimizer: str
     lr_mul: float = 1.0
@@ -602,43 +632,47 @@ class LayerRoles:
 
 
 def layer_roles(num_layers, value_embeds, paired=(), xsa=()):
-    """The 11-layer layout (skip 3->6, no attention in 6, backout 7, long windows 3 and 10) expressed
-    relative to the depth, with the value-embedding, paired-head and XSA layers given (negative ones
-    count from the end)."""
+    """The 11-layer layout (skip 3->6, attention-free 6, backout 7, long windows 3, 10) relative to
+    the depth, given the value-embedding, paired-head and XSA layers (negative: from the end)."""
     attn_free = num_layers // 2 + 1
     skip_source = attn_free - 3
     backout = attn_free + 1
     if skip_source < 0 or backout > num_layers - 1:
-        raise ConfigError(f"--num_layers {num_layers}: the layer roles (skip, backout, attention-free layer) need at "
-                          f"least 9 layers")
+        raise ConfigError(f"--num_layers {num_layers}: the layer roles (skip, backout, "
+                          f"attention-free layer) need at least 9 layers")
     lists = {}
-    for flag, layers in (("value_embed_layers", value_embeds[0]), ("paired_head_layers", paired), ("xsa_layers", xsa)):
-        resolved = [layer % num_layers if -num_layers <= layer < num_layers else None for layer in layers]
+    for flag, layers in (("value_embed_layers", value_embeds[0]), ("paired_head_layers", paired),
+                         ("xsa_layers", xsa)):
+        resolved = [layer % num_layers if -num_layers <= layer < num_layers else None
+                    for layer in layers]
         if None in resolved or len(set(resolved)) != len(resolved) or attn_free in resolved:
-            raise ConfigError(f"--{flag} {_flag_text(tuple(layers))}: each must be a distinct layer of --num_layers "
-                              f"{num_layers} other than the attention-free layer {attn_free} (negative: from the end)")
+            raise ConfigError(f"--{flag} {_flag_text(tuple(layers))}: each must be a distinct "
+                              f"layer of --num_layers {num_layers} other than the attention-free "
+                              f"layer {attn_free} (negative: from the end)")
         lists[flag] = tuple(resolved)
     if len(value_embeds[1]) != len(value_embeds[0]):
-        raise ConfigError(f"--value_embed_tables needs one table per --value_embed_layers entry, got "
-                          f"{len(value_embeds[1])} for {len(value_embeds[0])}")
+        raise ConfigError(f"--value_embed_tables needs one table per --value_embed_layers entry, "
+                          f"got {len(value_embeds[1])} for {len(value_embeds[0])}")
     if set(lists["paired_head_layers"]) & set(lists["xsa_layers"]):
-        raise ConfigError("--paired_head_layers and --xsa_layers overlap: XSA needs a layer's own values")
+        raise ConfigError("--paired_head_layers and --xsa_layers overlap: XSA needs a layer's own "
+                          "values")
     return LayerRoles(attn_free, skip_source, backout, (skip_source, num_layers - 1),
-                      dict(zip(lists["value_embed_layers"], value_embeds[1])), lists["paired_head_layers"],
-                      lists["xsa_layers"])
+                      dict(zip(lists["value_embed_layers"], value_embeds[1])),
+                      lists["paired_head_layers"], lists["xsa_layers"])
 
 
 def layer_roles_of(hp):
     if hp.paired_head_layers and hp.num_heads % 2:
-        raise ConfigError(f"--paired_head_layers needs an even --num_heads (heads attend in pairs), got {hp.num_heads}")
-    return layer_roles(hp.num_layers, (hp.value_embed_layers, hp.value_embed_tables), hp.paired_head_layers,
-                       hp.xsa_layers)
+        raise ConfigError(f"--paired_head_layers needs an even --num_heads (heads attend in "
+                          f"pairs), got {hp.num_heads}")
+    return layer_roles(hp.num_layers, (hp.value_embed_layers, hp.value_embed_tables),
+                       hp.paired_head_layers, hp.xsa_layers)
 
 
 class Rotary(nn.Module):
-    """Half-truncated RoPE: head_dim/4 frequencies rotate, the other head_dim/4 pairs are position-free.
-    Also owns the softmax scale, since YaRN changes both together. The scale is kept in float64
-    (the reference keeps it as a Python float) and applied to the fp32 attention scores."""
+    """Half-truncated RoPE: head_dim/4 frequencies rotate, the other head_dim/4 pairs are
+    position-free. Also owns the softmax scale, since YaRN changes both; it is float64 (the
+    reference's Python float), applied to the fp32 attention scores."""
 
     INITIAL_ATTN_SCALE = 0.1
 
@@ -648,8 +682,9 @@ class Rotary(nn.Module):
         freqs = torch.cat([(1 / 1024) ** torch.linspace(0, 1, quarter), torch.zeros(quarter)])
         self.register_buffer("initial_freqs", freqs, persistent=False)
         self.register_buffer("freqs", freqs.clone())
-        self.register_buffer("attn_scale", torch.tensor(self.INITIAL_ATTN_SCALE, dtype=torch.float64))
-        self.window = None  # the long window (tokens) the frequencies are tuned for; None: not yet set
+        self.register_buffer("attn_scale",
+                             torch.tensor(self.INITIAL_ATTN_SCALE, dtype=torch.float64))
+        self.window = None  # the long window (tokens) the frequencies are tuned for (None: unset)
 
     @torch.no_grad()
     def reset(self):
@@ -671,8 +706,8 @@ class Rotary(nn.Module):
 
     @torch.no_grad()
     def extend_window(self, old_tokens, new_tokens):
-        """YaRN: slow frequencies (fewer than 1 turn over the old window) scale by old/new, fast ones
-        (32+ turns) stay, linear in between; the softmax scale grows by 0.2*ln(new/old) + 1."""
+        """YaRN: slow frequencies (< 1 turn over the old window) scale by old/new, fast ones (32+
+        turns) stay, linear in between; the softmax scale grows by 0.2*ln(new/old) + 1."""
         s = old_tokens / new_tokens
         rotations = old_tokens * self.freqs / (2 * math.pi)
         interp = ((rotations - 1) / (32 - 1)).clamp(0, 1)
@@ -680,16 +715,16 @@ class Rotary(nn.Module):
         self.attn_scale.mul_(0.2 * math.log(new_tokens / old_tokens) + 1)
 
     def cos_sin(self, seq_len, positions=None):
-        """(seq_len, 1, head_dim/2) tables, rounded to bf16 like the reference's cached tables; at `positions`
-        (a micro-step piece's positions in its micro-step) instead of 0 ... seq_len - 1 if given."""
-        positions = torch.arange(seq_len, device=self.freqs.device, dtype=torch.float32) if positions is None else \
-            positions.to(torch.float32)
+        """(seq_len, 1, head_dim/2) tables in bf16 like the reference's cached ones; at `positions`
+        (a micro-step piece's, in its micro-step) instead of 0 ... seq_len - 1 if given."""
+        positions = torch.arange(seq_len, device=self.freqs.device, dtype=torch.float32) \
+            if positions is None else positions.to(torch.float32)
         theta = torch.outer(positions, self.freqs)
         return theta.cos().bfloat16()[:, None, :], theta.sin().bfloat16()[:, None, :]
 
     def paired_cos_sin(self, seq_len, num_heads, positions=None):
-        """(seq_len, num_heads, head_dim/2) tables of a paired layer: head h of token t sits at rotary position
-        2t + h % 2 (the reference rotates head pairs side by side, then splits the stream by halves)."""
+        """(seq_len, num_heads, head_dim/2) tables of a paired layer: head h of token t sits at
+        rotary position 2t + h % 2 (the reference rotates head pairs side by side, then halves)."""
         parity = torch.arange(num_heads, device=self.freqs.device) % 2
         doubled = None if positions is None else \
             (2 * positions[:, None] + torch.arange(2, device=positions.device)).flatten()
@@ -703,25 +738,24 @@ def apply_rotary(x, cos_sin):
 
 
 def shift_keys(k):
-    """On the position-free dims, key t takes key t-1 (position 0 keeps its own): one layer can then
-    match 'the token after X', i.e. an induction head. Like the reference, this does not stop at
-    document starts (the first key of a document carries the previous document's last key)."""
+    """On the position-free dims, key t takes key t-1 (position 0 keeps its own), so one layer can
+    match 'the token after X' (an induction head). As the reference, it crosses document starts."""
     head_dim = k.size(-1)
     prev = torch.cat([k[:1], k[:-1]])
-    free = torch.arange(head_dim, device=k.device) % (head_dim // 2) >= head_dim // 4  # the 2nd quarter of each half
+    free = torch.arange(head_dim, device=k.device) % (head_dim // 2) >= head_dim // 4  # 2nd, 4th
     return torch.where(free, prev, k)
 
 
 def document_ids(cu_seqlens, seq_len):
-    """Document index of every position from padded cumulative boundaries [0, b1, ..., T, T, ...]."""
+    """Each position's document index, from padded cumulative boundaries [0, b1, ..., T, T, ...]."""
     positions = torch.arange(seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return torch.searchsorted(cu_seqlens, positions, right=True) - 1
 
 
 def sliding_document_mask(docs, window_tokens):
     """BlockMask for causal attention inside documents: query t sees keys t - window_tokens ... t
-    (inclusive, like FlashAttention's window_size=(w, 0)). Built from per-tile document ranges, so
-    nothing of size T x T is materialized."""
+    (inclusive, as FlashAttention's window_size=(w, 0)); built from per-tile document ranges, never
+    T x T."""
     seq_len = docs.numel()
     n_blocks = -(-seq_len // ATTN_BLOCK)
     padded = torch.cat([docs, (docs[-1:] + 1).expand(n_blocks * ATTN_BLOCK - seq_len)])
@@ -731,35 +765,39 @@ def sliding_document_mask(docs, window_tokens):
     k = torch.arange(n_blocks, device=docs.device)[None, :]
     gap = (q - k) * ATTN_BLOCK
     any_allowed = (k <= q) & (gap - (ATTN_BLOCK - 1) <= window_tokens) & (last[k] >= first[q])
-    all_allowed = (k < q) & (gap + (ATTN_BLOCK - 1) <= window_tokens) & (first[q] == last[k]) & (first[k] == last[q])
+    all_allowed = (k < q) & (gap + (ATTN_BLOCK - 1) <= window_tokens) & (first[q] == last[k]) \
+        & (first[k] == last[q])
     partial = any_allowed & ~all_allowed
 
     def as_indices(m):
         counts = m.sum(dim=-1, dtype=torch.int32)
-        order = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        order = torch.argsort(m.to(torch.int8), dim=-1, descending=True,
+                              stable=True).to(torch.int32)
         return counts[None, None].contiguous(), order[None, None].contiguous()
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window_tokens) & (padded[q_idx] == padded[kv_idx])
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window_tokens) \
+            & (padded[q_idx] == padded[kv_idx])
 
-    return BlockMask.from_kv_blocks(*as_indices(partial), *as_indices(all_allowed), BLOCK_SIZE=ATTN_BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(seq_len, seq_len))
+    return BlockMask.from_kv_blocks(*as_indices(partial), *as_indices(all_allowed),
+                                    BLOCK_SIZE=ATTN_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(seq_len, seq_len))
 
 
 class FlexWindowAttention:
-    """The GPU attention: FlexAttention over a block mask (documents, causal, inclusive window).
-    An attention implementation builds a mask once per forward pass and applies it per layer.
-    Eager FlexAttention materializes the whole score matrix, so a model that is not compiled as a
-    whole gets a compiled FlexAttention kernel of its own (compile_kernel=True)."""
+    """The GPU attention: FlexAttention over a block mask (documents, causal, inclusive window),
+    built once per forward and applied per layer. Eager FlexAttention materializes all scores, so a
+    model not compiled as a whole gets a compiled kernel of its own (compile_kernel=True)."""
 
     mask = staticmethod(sliding_document_mask)
 
     def __init__(self, compile_kernel=False):
-        self.flex = torch.compile(flex_attention, dynamic=False) if compile_kernel else flex_attention
+        self.flex = torch.compile(flex_attention, dynamic=False) if compile_kernel else \
+            flex_attention
 
     def __call__(self, q, k, v, mask, scale):
-        """(T, H, D) tensors -> (T, H, D). `scale` (a 0-dim tensor) multiplies the fp32 scores, as a
-        softmax scale; as a tensor, YaRN's changes never recompile."""
+        """(T, H, D) tensors -> (T, H, D). `scale` (0-dim) multiplies the fp32 scores; a tensor, so
+        YaRN's changes never recompile."""
         scale = scale.float()
         out = self.flex(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=mask, scale=1.0,
                         score_mod=lambda score, b, h, q_idx, kv_idx: score * scale)
@@ -770,14 +808,16 @@ class FlexWindowAttention:
 ADAM_GROUPS = {
     "lm_head": ((0.5, 0.95), 1.0, 150.0), "embed": ((0.5, 0.95), 1.0, 150.0),
     "value_embed": ((0.75, 0.95), 75.0, 5.0), "bigram": ((0.75, 0.95), 75.0, 5.0),
-    "scalars": ((0.9, 0.99), 5.0, 0.0), "smear_gate": ((0.9, 0.99), 0.01, 0.0), "skip_gate": ((0.9, 0.99), 0.05, 0.0),
+    "scalars": ((0.9, 0.99), 5.0, 0.0), "smear_gate": ((0.9, 0.99), 0.01, 0.0),
+    "skip_gate": ((0.9, 0.99), 0.05, 0.0),
     "gate": ((0.9, 0.99), 1.0, 1.0),  # attention and value-embedding gates
-    "resid_lambdas": ((0.9, 0.95), 5.0, 0.0), "lambdas": ((0.9, 0.95), 1.0, 0.0),  # output, x0, bigram, XSA
+    "resid_lambdas": ((0.9, 0.95), 5.0, 0.0),
+    "lambdas": ((0.9, 0.95), 1.0, 0.0),  # output, x0, bigram, XSA
     "mudd": ((0.9, 0.99), 0.25, 1.0), "mudd_bias": ((0.9, 0.99), 0.25, 0.0),
 }
 
 MUDD_SCALE = 0.1  # the coefficient networks' outputs (and so their biases) are scaled by 0.1
-VE_GATE_HALF = GATE_INPUTS // 2  # a value-embedding gate reads 6 channels of the input and 6 of the embedding
+VE_GATE_HALF = GATE_INPUTS // 2  # a value-embedding gate reads 6 input and 6 embedding channels
 
 
 class MuddLayerCoefs(NamedTuple):
@@ -790,7 +830,7 @@ class MuddLayerCoefs(NamedTuple):
     x_boost: Tensor
     ve_gate_low: Tensor  # value-embedding gates of the first and the second half of the heads
     ve_gate_high: Tensor
-    attn_resid: Tensor  # after attention: attn_resid x + attn_out a + attn_x0 x0, plus bigram x the bigram rows
+    attn_resid: Tensor  # after attention: attn_resid x + attn_out a + attn_x0 x0 + bigram rows
     attn_out: Tensor
     attn_x0: Tensor
     bigram: Tensor
@@ -799,8 +839,8 @@ class MuddLayerCoefs(NamedTuple):
 
 
 class MuddOutputCoefs(NamedTuple):
-    """The output's per-token coefficients, MUDD network 1's outputs: x + x0 x0 + backout backout + last_input
-    (the last layer's input) + value_embed (the first value embedding) + skip (the U-net skip source)."""
+    """The output's per-token coefficients, MUDD network 1's: x + x0 x0 + backout backout +
+    last_input (the last layer's input) + value_embed (the first one) + skip (the U-net source)."""
     x0: Tensor
     backout: Tensor
     last_input: Tensor
@@ -809,16 +849,17 @@ class MuddOutputCoefs(NamedTuple):
 
 
 # the coefficient networks' initial biases (before the 0.1 scale); the rest start at 0
-MUDD_LAYER_BIAS = dict(ve_gate_low=2.0, ve_gate_high=2.0, attn_resid=1.1 ** 0.5, attn_out=1.0, bigram=0.05,
-                       mlp_resid=1.1 ** 0.5, mlp_out=1.0)
+MUDD_LAYER_BIAS = dict(ve_gate_low=2.0, ve_gate_high=2.0, attn_resid=1.1 ** 0.5, attn_out=1.0,
+                       bigram=0.05, mlp_resid=1.1 ** 0.5, mlp_out=1.0)
 MUDD_OUTPUT_BIAS = dict(backout=-0.5)  # the former backout lambda
 
 
 def mudd_bias_init():
-    """The coefficient networks' initial biases (row 0: the last layer, row 1: the output), divided by the 0.1
+    """The coefficient networks' initial biases (row 0: last layer, 1: output), divided by the 0.1
     scale and rounded to bf16 as the reference stores them."""
     b = torch.zeros(2, len(MuddLayerCoefs._fields))
-    for row, (coefs, values) in enumerate(((MuddLayerCoefs, MUDD_LAYER_BIAS), (MuddOutputCoefs, MUDD_OUTPUT_BIAS))):
+    for row, (coefs, values) in enumerate(((MuddLayerCoefs, MUDD_LAYER_BIAS),
+                                           (MuddOutputCoefs, MUDD_OUTPUT_BIAS))):
         for name, value in values.items():
             b[row, coefs._fields.index(name)] = value / MUDD_SCALE
     return b.bfloat16().float()
@@ -831,7 +872,7 @@ def adam_spec(group, hp):
 
 
 def gate_spec(group, hp):
-    """A gate weight: DistAdam's `group` under --gates_in_adam, else the matrix optimizer's gates."""
+    """A gate weight: DistAdam's `group` under --gates_in_adam, else the matrix optimizer's."""
     return adam_spec(group, hp) if hp.gates_in_adam else matrix_spec("gate")
 
 
@@ -839,7 +880,8 @@ def gate_spec(group, hp):
 ADAM_PARAMS = {"lm_head.weight": "lm_head", "embed": "embed", "value_embeds": "value_embed",
                "bigram_embed": "bigram", "bigram_lambdas": "lambdas", "scalars": "scalars",
                "resid_lambdas": "resid_lambdas", "post_lambdas": "lambdas", "x0_lambdas": "lambdas",
-               "xsa_alphas": "lambdas", "mudd_w1": "mudd", "mudd_w2": "mudd", "mudd_b2": "mudd_bias"}
+               "xsa_alphas": "lambdas", "mudd_w1": "mudd", "mudd_w2": "mudd",
+               "mudd_b2": "mudd_bias"}
 GATE_PARAMS = {"smear_gate_w": "smear_gate", "skip_gate_w": "skip_gate", "gate_w": "gate",
                "ve_gate_w": "gate"}
 
@@ -852,8 +894,9 @@ def param_spec(name, hp):
     if short in GATE_PARAMS:
         return gate_spec(GATE_PARAMS[short], hp)
     qk_pieces = hp.num_heads if hp.muon_qk_head_pairs else 2  # head pairs of Q, then of K
-    matrices = {"qk_w": matrix_spec("attn_qk", pieces=qk_pieces), "vo_w": matrix_spec("attn_vo", pieces=2),
-                "fc_w": matrix_spec("mlp"), "proj_w": matrix_spec("mlp", lr_mul=2.0)}
+    matrices = {"qk_w": matrix_spec("attn_qk", pieces=qk_pieces),
+                "vo_w": matrix_spec("attn_vo", pieces=2), "fc_w": matrix_spec("mlp"),
+                "proj_w": matrix_spec("mlp", lr_mul=2.0)}
     return matrices[short]
 
 
@@ -868,7 +911,7 @@ def uniform_init(rows, cols):
 
 
 class LayerPlan(NamedTuple):
-    """What one layer does, resolved once from the flags (layer_plan), so the forward reads straight through."""
+    """What one layer does, resolved once from the flags (layer_plan), for a straight forward."""
     attention: bool  # False: the attention-free layer, where the U-net skip lands
     long_window: bool
     paired: bool  # two heads share one interleaved stream
@@ -877,8 +920,8 @@ class LayerPlan(NamedTuple):
     value_table: int | None  # the value embedding added to its values, or None
     value_gate: bool  # its own gate on that value embedding (the MUDD layer's gates come from MUDD)
     attends_backout: bool  # attends over the backout layer's output instead of its own input
-    residual: str  # "mudd": MUDD's coefficients; "sublayer": lambdas per sublayer; "plain": x + f(x)
-    scale_before: bool  # residual and x0 lambdas (and the bigram) before the layer (no --sublayer_scalars)
+    residual: str  # "mudd": MUDD's coefficients; "sublayer": lambdas per sublayer; "plain": x+f(x)
+    scale_before: bool  # residual, x0 lambdas (and bigram) before the layer (no --sublayer_scalars)
     adds_bigram: bool  # the bigram rows join the stream here (layer 0 has them in x0)
     skip_in: bool
     skip_out: bool  # its output is the U-net skip
@@ -893,18 +936,20 @@ def layer_plan(hp, roles):
         mudd = use_mudd and i == last
         table = roles.value_embed.get(i)
         plan.append(LayerPlan(
-            attention=i != roles.attn_free, long_window=i in roles.long_window, paired=i in roles.paired,
-            xsa=i in roles.xsa, key_shift=i in roles.long_window and i not in roles.paired, value_table=table,
+            attention=i != roles.attn_free, long_window=i in roles.long_window,
+            paired=i in roles.paired, xsa=i in roles.xsa,
+            key_shift=i in roles.long_window and i not in roles.paired, value_table=table,
             value_gate=hp.value_embed_gates and table is not None and not mudd,
             attends_backout=hp.shared_attention_input and i > roles.backout,
             residual="mudd" if mudd else "sublayer" if hp.sublayer_scalars else "plain",
             scale_before=not hp.sublayer_scalars, adds_bigram=i > 0 and hp.bigram_vocab_size > 0,
-            skip_in=i == roles.attn_free, skip_out=i == roles.skip_source, backout_out=i == roles.backout))
+            skip_in=i == roles.attn_free, skip_out=i == roles.skip_source,
+            backout_out=i == roles.backout))
     return plan
 
 
 class Layer(nn.Module):
-    """One layer's weights in recipe 89: [Q; K] and [V; O] (each 2 hdim x dim, so NorMuon can cut Q and K
+    """One layer's weights in recipe 89: [Q; K] and [V; O] (each 2 hdim x dim; NorMuon can cut Q, K
     into head pairs), the attention and value-embedding gates, and the MLP."""
 
     def __init__(self, hp, plan):
@@ -920,7 +965,7 @@ class Layer(nn.Module):
         self.proj_w = nn.Parameter(torch.zeros(4 * D, D))  # stored (hidden, dim) like fc_w
 
     def attend(self, plan, x, lambdas, added_v, xsa_alpha, context, attention, attn_scale):
-        """This layer's attention on its normed input x (T, D); the lambdas scale [Q; K; V] and O."""
+        """The attention on the normed input x (T, D); the lambdas scale [Q; K; V] and O."""
         mask, cos_sin = context
         q, k, v = self.qkv(x, self.qkv_weight(lambdas[0], x), cos_sin)
         if plan.key_shift:
@@ -929,14 +974,16 @@ class Layer(nn.Module):
             v = v + added_v.view_as(v)
         if plan.paired:  # row 2t + r, slot s of the doubled stream holds head r H/2 + s of token t
             T, H, hd = q.shape
-            y = attention(*(t.reshape(2 * T, H // 2, hd) for t in (q, k, v)), mask, attn_scale).reshape(T, H, hd)
+            y = attention(*(t.reshape(2 * T, H // 2, hd) for t in (q, k, v)), mask,
+                          attn_scale).reshape(T, H, hd)
         else:
             y = attention(q, k, v, mask, attn_scale)
         return self.output(x, y, v, xsa_alpha, self.o_weight(lambdas[1], x))
 
     def qkv_weight(self, qkv_lambda, x):
         """[Q; K; V] (3 H head_dim, D) in x's dtype, times the QKV lambda."""
-        return qkv_lambda * torch.cat([self.qk_w, self.vo_w[: self.num_heads * self.head_dim]]).type_as(x)
+        return qkv_lambda * torch.cat([self.qk_w,
+                                       self.vo_w[: self.num_heads * self.head_dim]]).type_as(x)
 
     def o_weight(self, o_lambda, x):
         """O (D, H head_dim) in x's dtype, times the O lambda."""
@@ -948,10 +995,11 @@ class Layer(nn.Module):
         return apply_rotary(norm(q), cos_sin), apply_rotary(norm(k), cos_sin), v
 
     def output(self, x, y, v, xsa_alpha, w_o):
-        """The attention's output y (T, H, head_dim) through XSA (with its values v), the heads' gates and O."""
+        """The attention output y (T, H, head_dim) through XSA (values v), the head gates and O."""
         if xsa_alpha is not None:  # subtract a gated share of y along its own (unit) value
             unit_v = F.normalize(v, dim=-1, eps=1e-4)
-            y = y - torch.tanh(xsa_alpha).type_as(y)[:, None] * (y * unit_v).sum(-1, keepdim=True) * unit_v
+            y = y - torch.tanh(xsa_alpha).type_as(y)[:, None] * (y * unit_v).sum(-1, keepdim=True) \
+                * unit_v
         y = y * torch.sigmoid(F.linear(x[:, :GATE_INPUTS], self.gate_w.type_as(x)))[..., None]
         return F.linear(y.flatten(1), w_o)
 
@@ -960,8 +1008,7 @@ class Layer(nn.Module):
 
 
 class Scalars(NamedTuple):
-    """Named views into GPT.scalars: attention lambda pairs (QKV, O) per layer, smear and skip lambdas, and
-    without MUDD the backout lambda."""
+    """Views of GPT.scalars: (QKV, O) lambdas per layer, smear, skip, backout (without MUDD)."""
     attn: Tensor
     smear: Tensor
     skip: Tensor
@@ -969,7 +1016,7 @@ class Scalars(NamedTuple):
 
 
 class Lambdas(NamedTuple):
-    """The per-layer lambdas of one forward, rounded to bf16 as the reference uses them (None: not in the model)."""
+    """One forward's per-layer lambdas, in bf16 as the reference uses them (None: not in model)."""
     resid: Tensor
     post: Tensor | None
     x0: Tensor
@@ -977,8 +1024,8 @@ class Lambdas(NamedTuple):
 
 
 class Stream(NamedTuple):
-    """What every layer may read besides x: the embedded input x0 (with the bigram rows), the bigram rows, the
-    value embeddings, the U-net skip's scale, the forward's lambdas and the scalars' views."""
+    """What every layer may read besides x: the embedded input x0 (with the bigram rows), the bigram
+    rows, the value embeddings, the U-net skip's scale, the lambdas and the scalars' views."""
     x0: Tensor
     bigram: Tensor | None
     values: list
@@ -996,22 +1043,23 @@ def add_bigram(x, bigram, lam):
 
 
 def bigram_rows(input_seq, bigram_ids, table, signs):
-    """(T, bigram_dim): the bigram rows (hashed by the loader) times signs chosen by both tokens (one row of
-    signs: the same for every pair)."""
+    """(T, bigram_dim): the bigram rows (hashed by the loader) times signs chosen by both tokens
+    (one row of signs: the same for every pair)."""
     if signs.size(0) > 1:
-        signs = signs[torch.cat([input_seq[:1] * 0, (input_seq[:-1] ^ input_seq[1:]) % signs.size(0)])]
+        signs = signs[torch.cat([input_seq[:1] * 0,
+                                 (input_seq[:-1] ^ input_seq[1:]) % signs.size(0)])]
     return F.embedding(bigram_ids, table) * signs.type_as(table)
 
 
 def attention_context(model, docs, window_blocks, positions=None):
-    """{(long window, paired): (mask, rotary tables)} of the model's kinds of attention layer (a paired layer's
-    stream is twice as long: two rows per token); `positions`: the tokens' rotary positions (None: 0 ... T - 1)."""
+    """{(long window, paired): (mask, rotary tables)} of the model's kinds of attention layer (a
+    paired stream has two rows per token); `positions`: rotary positions (None: 0 ... T - 1)."""
     context, tables, seq_len = {}, {}, docs.numel()
     for long, paired in model.attention_kinds():
         tokens = window_blocks[1 if long else 0] * model.window_block_tokens
         if paired not in tables:
-            tables[paired] = model.rotary.paired_cos_sin(seq_len, model.num_heads, positions) if paired else \
-                model.rotary.cos_sin(seq_len, positions)
+            tables[paired] = model.rotary.paired_cos_sin(seq_len, model.num_heads, positions) \
+                if paired else model.rotary.cos_sin(seq_len, positions)
         mask = model.attention.mask(docs.repeat_interleave(2) if paired else docs, tokens)
         context[long, paired] = (mask, tables[paired])
     return context
@@ -1023,14 +1071,14 @@ def gate_heads(value, head_gates):
 
 
 def scale_before_layer(plan, i, x, stream):
-    """Without per-sublayer lambdas: x <- resid x + x0_lambda x0 (and the bigram rows) before layer i."""
+    """Without sublayer lambdas: x <- resid x + x0_lambda x0 (+ the bigram rows) before layer i."""
     lam = stream.lambdas
     x = lam.resid[i].type_as(x) * x + lam.x0[i].type_as(x) * stream.x0
     return add_bigram(x, stream.bigram, lam.bigram[i].type_as(x)) if plan.adds_bigram else x
 
 
 def attention_residual(plan, i, x, a, stream, coefs):
-    """x after layer i's attention output a joins it (coefs: the MUDD layer's coefficients, else None)."""
+    """x after layer i's attention output a joins it (coefs: the MUDD layer's, else None)."""
     lam, x0 = stream.lambdas, stream.x0
     if coefs is not None:
         x = coefs.attn_resid * x + coefs.attn_out * a + coefs.attn_x0 * x0
@@ -1042,27 +1090,26 @@ def attention_residual(plan, i, x, a, stream, coefs):
 
 
 class Backend(NamedTuple):
-    """How a model computes on its device, decided once (backend_for) and handed to GPT, which builds each module
-    with it: nothing rewires a model afterwards."""
-    attention: object  # FlexWindowAttention on a GPU, TiledWindowAttention on a CPU (or a tool's stand-in)
+    """How a model computes on its device, decided once (backend_for) and handed to GPT, which
+    builds each module with it: nothing rewires a model afterwards."""
+    attention: object  # FlexWindowAttention (GPU), TiledWindowAttention (CPU) or a tool's stand-in
     head_loss: object  # softcap_cross_entropy on a GPU, chunked_softcap_cross_entropy on a CPU
-    fp8_scales: tuple | None  # the FP8 head's static (x, w, grad) scales (and recipe 89's FP8 MLP); None: no FP8
-    round_sigmoid: bool  # the training softcap's sigmoid rounded to bf16, as record #89's loss kernel (GPU)
-    bf16_params: bool  # embeddings, head, gates and MUDD networks stored in bf16, as the reference (GPU);
+    fp8_scales: tuple | None  # the FP8 head's static (x, w, grad) scales (and FP8 MLP's); None: off
+    round_sigmoid: bool  # the training softcap's sigmoid in bf16, as #89's loss kernel (GPU)
+    bf16_params: bool  # embeddings, head, gates, MUDD networks in bf16, as the reference (GPU);
     # NorMuon's gradients and new weights then travel in bf16
-    polar: dict  # polar_express's options: GPU_POLAR_EXPRESS (Triton, bf16) or CPU_POLAR_EXPRESS (fp32)
-    compile_math: bool  # the optimizers' pointwise math compiled (fused), as the reference's is (GPU)
+    polar: dict  # polar_express's options: GPU_POLAR_EXPRESS (Triton, bf16) or CPU_POLAR_EXPRESS
+    compile_math: bool  # the optimizers' pointwise math compiled (fused), as the reference (GPU)
 
 
 class GPT(nn.Module):
-    """Record #89's model (modded-nanogpt, 2026-07-17): a hashed bigram embedding beside the tied token
-    embedding (untied at --untie_stage), gated value embeddings, paired-head attention, gated XSA, a gated
-    U-net skip, later layers attending over the backout layer's output, per-sublayer residual lambdas, MUDD
-    coefficient networks (last layer and output), a shifted softcap and a multi-token loss. self.plan says
-    what each layer does."""
+    """Record #89's model (modded-nanogpt, 2026-07-17): a hashed bigram embedding beside the tied
+    token embedding (untied at --untie_stage), gated value embeddings, paired-head attention, gated
+    XSA, a gated U-net skip, later layers attending over the backout layer's output, sublayer
+    lambdas, MUDD coefficient networks, a shifted softcap, a multi-token loss; self.plan: layers."""
 
     def __init__(self, hp, backend, device=None):
-        """Initialized on the CPU (the same weights for any device) and moved to `device` (None: left there);
+        """Initialized on the CPU (the same weights anywhere), then moved to `device` (None: stays);
         `backend` (backend_for) says how it computes there."""
         super().__init__()
         L, H, hd, D = hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim
@@ -1072,9 +1119,10 @@ class GPT(nn.Module):
         self.window_block_tokens = hp.window_block_tokens
         self.softcap = Softcap(hp.softcap_scale, hp.softcap_offset, backend.round_sigmoid)
         self.use_mudd = hp.mudd_dim > 0
-        self.attention, self.head_loss, self.fp8_head_scales = backend.attention, backend.head_loss, backend.fp8_scales
-        # the FP8 copies and scales of the MLP weights (their scales are in every checkpoint, so one written on a
-        # GPU resumes on a CPU and back); used in training where the head is in FP8
+        self.attention, self.head_loss, self.fp8_head_scales = (
+            backend.attention, backend.head_loss, backend.fp8_scales)
+        # FP8 copies and scales of the MLP weights, used in training where the head is in FP8 (the
+        # scales are in every checkpoint: one written on a GPU resumes on a CPU and back)
         self.fp8_mlp = FP8MLPWeights(L, 4 * D, D) if hp.fp8_mlp else None
         self.mlp_in_fp8 = self.fp8_mlp is not None and backend.fp8_scales is not None
         self.init_embeddings(hp)
@@ -1097,30 +1145,32 @@ class GPT(nn.Module):
             self.fp8_mlp.quantize(self.layers, bootstrap=True)
 
     def param_table(self):
-        """[(parameter, ParamSpec)] of every parameter, in model order: what the optimizers train."""
+        """[(parameter, ParamSpec)] of every parameter in model order: what the optimizers train."""
         return [(p, self.specs[name]) for name, p in self.named_parameters()]
 
     def init_embeddings(self, hp):
-        """The head (its weight also the input embedding until the untie step), value embeddings, bigram table."""
+        """The head (also the input embedding until the untie step), value embeddings, bigrams."""
         D, rows = hp.model_dim, padded_vocab(hp)
         self.lm_head = nn.Linear(D, rows, bias=False)
         nn.init.normal_(self.lm_head.weight, std=0.005)
         # the input embedding: tied to the head (kept equal to it by DistAdam) until the untie step
-        self.embed = nn.Parameter(self.lm_head.weight.detach().clone()) if hp.untie_stage >= 0 else None
+        self.embed = nn.Parameter(self.lm_head.weight.detach().clone()) if hp.untie_stage >= 0 \
+            else None
         tables = max(self.roles.value_embed.values(), default=-1) + 1
-        self.value_embeds = nn.ParameterList([nn.Parameter(torch.randn(rows, D) * hp.value_embed_std)
+        self.value_embeds = nn.ParameterList([nn.Parameter(torch.randn(rows, D)
+                                                           * hp.value_embed_std)
                                               for _ in range(tables)])
         self.bigram_embed = self.bigram_lambdas = None
         if hp.bigram_vocab_size:
             self.bigram_embed = nn.Parameter(torch.zeros(hp.bigram_vocab_size, hp.bigram_dim))
-            # each bigram row is multiplied by random signs chosen by the two tokens (collisions then differ)
-            signs = torch.randn(max(hp.bigram_sign_rows, 1), hp.bigram_dim).sign() if hp.bigram_sign_rows else \
-                torch.ones(1, hp.bigram_dim)
+            # each bigram row times random signs chosen by the two tokens (collisions then differ)
+            signs = torch.randn(max(hp.bigram_sign_rows, 1), hp.bigram_dim).sign() \
+                if hp.bigram_sign_rows else torch.ones(1, hp.bigram_dim)
             self.register_buffer("bigram_signs", signs)
             self.bigram_lambdas = nn.Parameter(torch.full((hp.num_layers,), 0.05))
 
     def init_lambdas(self, hp):
-        """Scalars (per-layer attention lambdas (QKV, O), smear 0, skip -1.5, backout 0.5 without MUDD), lambdas."""
+        """Scalars (per layer (QKV, O), smear 0, skip -1.5, backout 0.5 without MUDD), lambdas."""
         L = hp.num_layers
         backout_lambda = [] if self.use_mudd else [0.5]
         self.scalars = nn.Parameter(torch.tensor([0.5, 1.0] * L + [0.0, -1.5] + backout_lambda))
@@ -1135,7 +1185,8 @@ class GPT(nn.Module):
 
     def scalar_views(self):
         L, s = self.num_layers, self.scalars
-        return Scalars(s[: 2 * L].view(L, 2), s[2 * L], s[2 * L + 1], None if self.use_mudd else s[2 * L + 2])
+        return Scalars(s[: 2 * L].view(L, 2), s[2 * L], s[2 * L + 1],
+                       None if self.use_mudd else s[2 * L + 2])
 
     def rounded_lambdas(self):
         """The per-layer lambdas rounded to bf16, as the reference uses them."""
@@ -1143,10 +1194,11 @@ class GPT(nn.Module):
         return Lambdas(*(None if t is None else t.bfloat16() for t in lambdas))
 
     def mudd(self, x, block, coefs):
-        """MUDD network `block` (0: the last layer, 1: the output) on x: its per-token coefficients as `coefs`."""
+        """MUDD network `block` (0: last layer, 1: output) on x: its coefficients as `coefs`."""
         count = len(coefs._fields)
         h = F.gelu(F.linear(x, self.mudd_w1[block].type_as(x)))
-        out = (F.linear(h, self.mudd_w2[block, :count].type_as(x)) + self.mudd_b2[block, :count].type_as(x)) * MUDD_SCALE
+        out = (F.linear(h, self.mudd_w2[block, :count].type_as(x))
+               + self.mudd_b2[block, :count].type_as(x)) * MUDD_SCALE
         return coefs(*out.split(1, dim=-1))
 
     def attention_kinds(self):
@@ -1154,11 +1206,12 @@ class GPT(nn.Module):
         return {(plan.long_window, plan.paired) for plan in self.plan if plan.attention}
 
     def embed_input(self, input_seq, bigram_ids):
-        """The Stream of one sequence: smeared, normed embeddings plus the bigram rows as x0, and the rest."""
+        """One sequence's Stream: x0 (smeared, normed embeddings plus bigram rows) and the rest."""
         lambdas, scalars = self.rounded_lambdas(), self.scalar_views()
         x = F.embedding(input_seq, self.lm_head.weight if self.embed is None else self.embed)
-        # smear: each token's embedding takes a gated share of the previous one (across documents too)
-        gate = scalars.smear * torch.sigmoid(F.linear(x[1:, :GATE_INPUTS], self.smear_gate_w.type_as(x)))
+        # smear: each token's embedding takes a gated share of the previous one (across documents)
+        gate = scalars.smear * torch.sigmoid(F.linear(x[1:, :GATE_INPUTS],
+                                                      self.smear_gate_w.type_as(x)))
         x = norm(torch.cat([x[:1], x[1:] + gate * x[:-1]]))
         bigram = None if self.bigram_embed is None else \
             bigram_rows(input_seq, bigram_ids, self.bigram_embed, self.bigram_signs)
@@ -1166,11 +1219,12 @@ class GPT(nn.Module):
         values = [F.embedding(input_seq, table).type_as(x0) for table in self.value_embeds]
         skip_scale = torch.sigmoid(scalars.skip)
         if self.skip_gate_w is not None:
-            skip_scale = skip_scale * 2 * torch.sigmoid(F.linear(x0[:, :GATE_INPUTS], self.skip_gate_w.type_as(x0)))
+            skip_scale = skip_scale * 2 * torch.sigmoid(F.linear(x0[:, :GATE_INPUTS],
+                                                                 self.skip_gate_w.type_as(x0)))
         return Stream(x0, bigram, values, skip_scale, lambdas, scalars)
 
     def attention_inputs(self, i, x, stream, backout):
-        """Before layer i's attention: (x, its normed input, what its values get added, MUDD's coefs or None)."""
+        """Before layer i's attention: (x, normed input, what the values get added, MUDD coefs)."""
         layer, plan, x0 = self.layers[i], self.plan[i], stream.x0
         attn_in = norm(backout if plan.attends_backout else x)
         value = None if plan.value_table is None else stream.values[plan.value_table]
@@ -1178,11 +1232,13 @@ class GPT(nn.Module):
         if coefs is not None:
             mudd_v = coefs.v_x0 * x0 + coefs.v_backout * backout + coefs.v_x * x
             x = (1 + coefs.x_boost) * x + coefs.x0 * x0 + coefs.backout * backout
-            head_gates = torch.cat([coefs.ve_gate_low, coefs.ve_gate_high], -1).repeat_interleave(self.num_heads // 2, -1)
+            head_gates = torch.cat([coefs.ve_gate_low, coefs.ve_gate_high],
+                                   -1).repeat_interleave(self.num_heads // 2, -1)
             added_v = mudd_v if value is None else gate_heads(value, head_gates) + mudd_v
         elif value is not None and plan.value_gate:
             gate_in = torch.cat([attn_in[:, :VE_GATE_HALF], value[:, :VE_GATE_HALF]], -1)
-            added_v = gate_heads(value, 2 * torch.sigmoid(F.linear(gate_in, layer.ve_gate_w.type_as(x))))
+            added_v = gate_heads(value,
+                                 2 * torch.sigmoid(F.linear(gate_in, layer.ve_gate_w.type_as(x))))
         else:
             added_v = value
         return x, attn_in, added_v, coefs
@@ -1198,21 +1254,22 @@ class GPT(nn.Module):
         return stream.lambdas.resid[i, 1].type_as(x) * x + stream.lambdas.post[i, 1].type_as(x) * m
 
     def trunk(self, input_seq, cu_seqlens, window_blocks, bigram_ids=None, positions=None):
-        """The normed last hidden states (T, D) of one packed sequence: window_blocks = (short, long) windows in
-        blocks, bigram_ids the loader's hashed bigrams, positions a micro-step piece's (None: 0 ... T - 1)."""
+        """The normed last hidden states (T, D) of one packed sequence: window_blocks = (short,
+        long) in blocks, bigram_ids the loader's, positions a micro-step piece's (None: 0...T-1)."""
         T = input_seq.numel()
         context = attention_context(self, document_ids(cu_seqlens, T), window_blocks, positions)
         stream = self.embed_input(input_seq, bigram_ids)
 
         def attend(i, plan, attn_in, added_v, xsa_alpha):
             return self.layers[i].attend(plan, attn_in, stream.scalars.attn[i], added_v, xsa_alpha,
-                                         context[plan.long_window, plan.paired], self.attention, self.rotary.attn_scale)
+                                         context[plan.long_window, plan.paired], self.attention,
+                                         self.rotary.attn_scale)
         return self.through_layers(stream, attend)
 
     def through_layers(self, stream, attend):
-        """The normed last hidden states of a Stream after every layer and the output mix (MUDD, or the backout);
-        attend(i, plan, normed input, what the values get added, XSA alpha) is layer i's attention (trunk's over
-        the sequence; tools/sample.py's over cached keys)."""
+        """The normed last hidden states of a Stream after the layers and the output mix (MUDD or
+        backout); attend(i, plan, normed input, added values, XSA alpha) is layer i's attention
+        (trunk's over the sequence; tools/sample.py's over cached keys)."""
         x, skip, backout, last_input = stream.x0, None, None, None
         for i, plan in enumerate(self.plan):
             if plan.skip_in:
@@ -1238,16 +1295,17 @@ class GPT(nn.Module):
         return norm(x)
 
     def loss(self, x, input_seq, target_seq, mtp_weights=None, loss_mask=None):
-        """The head's loss on the trunk's output: summed in training (the step's mtp_weights, a piece's
-        loss_mask), the mean next-token loss in evaluation (summed over a validation piece's loss_mask)."""
-        return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training, self.fp8_head_scales,
-                              self.softcap, mtp_weights, loss_mask, inputs=input_seq)
+        """The head's loss on the trunk's output: summed in training (the step's mtp_weights, a
+        piece's loss_mask), else the mean next-token loss (summed over a piece's loss_mask)."""
+        return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training,
+                              self.fp8_head_scales, self.softcap, mtp_weights, loss_mask,
+                              inputs=input_seq)
 
-    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None, mtp_weights=None,
-                positions=None, loss_mask=None):
+    def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None,
+                mtp_weights=None, positions=None, loss_mask=None):
         """Loss of one packed sequence (see trunk and loss)."""
-        return self.loss(self.trunk(input_seq, cu_seqlens, window_blocks, bigram_ids, positions), input_seq,
-                         target_seq, mtp_weights, loss_mask)
+        return self.loss(self.trunk(input_seq, cu_seqlens, window_blocks, bigram_ids, positions),
+                         input_seq, target_seq, mtp_weights, loss_mask)
 
     def logits(self, input_seq, cu_seqlens, window_blocks, bigram_ids=None):
         """Softcapped fp32 logits (padded vocabulary) of each position."""
@@ -1255,7 +1313,7 @@ class GPT(nn.Module):
         return softcapped(head_matmul(x, self.lm_head.weight, None), self.softcap)
 
     def follow_window(self, window_blocks):
-        """YaRN for the (short, long) windows in blocks the next forwards use (see Rotary.follow_window)."""
+        """YaRN for the next forwards' (short, long) windows in blocks (Rotary.follow_window)."""
         self.rotary.follow_window(window_blocks[1] * self.window_block_tokens)
 
 
