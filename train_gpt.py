@@ -1328,7 +1328,7 @@ E5M2_MAX = 57344.0  # the largest finite float8_e5m2 value
 
 def head_fp8_scales(amax, grad_divisor=1):
     """Static FP8 scales of the head from the largest values it casts (--head_fp8_amax: activations,
-    weights, gradients), each divided by 448 so it uses the full e4m3 range; recipe 89 also divides the
+    weights, gradients), each / 448 to use the full e4m3 range; recipe 89 also divides the
     gradients' by the accumulation steps, as its loss is."""
     x, w, g = amax
     return x / E4M3_MAX, w / E4M3_MAX, g / E4M3_MAX / grad_divisor
@@ -1337,7 +1337,8 @@ def head_fp8_scales(amax, grad_divisor=1):
 def fp8_forward(x, w, x_s, w_s):
     x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
     w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
-    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, scale_a=x.new_tensor(x_s, dtype=torch.float32),
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16,
+                           scale_a=x.new_tensor(x_s, dtype=torch.float32),
                            scale_b=x.new_tensor(w_s, dtype=torch.float32), use_fast_accum=True)
     return out, x_f8, w_f8
 
@@ -1348,23 +1349,25 @@ def fp8_backward(g, x_f8, w_f8, x_s, w_s, grad_s):
     grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
                               scale_a=g.new_tensor(grad_s, dtype=torch.float32),
                               scale_b=g.new_tensor(w_s, dtype=torch.float32), use_fast_accum=False)
-    # computed as (x_f8.T @ g_f8).T: for the head's (50304, 768) weight that orientation is the faster one
+    # as (x_f8.T @ g_f8).T: the faster orientation for the head's (50304, 768) weight
     grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
                               scale_a=g.new_tensor(x_s, dtype=torch.float32),
-                              scale_b=g.new_tensor(grad_s, dtype=torch.float32), use_fast_accum=False).T
+                              scale_b=g.new_tensor(grad_s, dtype=torch.float32),
+                              use_fast_accum=False).T
     return grad_x, grad_w
 
 
 @functools.cache
 def compiled(fn):
-    """fn under torch.compile, made at its first call: on CUDA the FP8 casts and scalings run compiled (fused,
-    the scale tensors folded into constants), the eager bodies serve the CPU; importing the compiler takes
-    seconds, which a process that never calls it (the CPU path, tools/sample.py, the tests) does not pay."""
+    """fn under torch.compile, made at its first call: on CUDA the FP8 casts and scalings run
+    compiled (fused, the scales folded into constants), the eager bodies serve the CPU; a process
+    that never calls it (CPU path, tools/sample.py, tests) skips the seconds of importing it."""
     return torch.compile(fn, dynamic=False)
 
 
 @torch.library.custom_op("speedrun::mm_fp8", mutates_args=())
-def mm_fp8(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+def mm_fp8(x: Tensor, w: Tensor, x_s: float, w_s: float,
+           grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
     """x (M, K) @ w (N, K).T -> bf16 (M, N); also returns the float8 casts saved for backward."""
     return fp8_forward(x, w, x_s, w_s)
 
@@ -1376,12 +1379,14 @@ def _(x, w, x_s, w_s, grad_s):
 
 @mm_fp8.register_fake
 def _(x, w, x_s, w_s, grad_s):
-    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16), torch.empty_like(x, dtype=torch.float8_e4m3fn), \
-        torch.empty_like(w, dtype=torch.float8_e4m3fn)
+    return (x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16),
+            torch.empty_like(x, dtype=torch.float8_e4m3fn),
+            torch.empty_like(w, dtype=torch.float8_e4m3fn))
 
 
 @torch.library.custom_op("speedrun::mm_fp8_backward", mutates_args=())
-def mm_fp8_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+def mm_fp8_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
+                    grad_s: float) -> tuple[Tensor, Tensor]:
     """grad_x = g @ w (bf16), grad_w = g.T @ x (fp32, column-major), with g cast to float8_e5m2."""
     return fp8_backward(g, x_f8, w_f8, x_s, w_s, grad_s)
 
@@ -1393,7 +1398,8 @@ def _(g, x_f8, w_f8, x_s, w_s, grad_s):
 
 @mm_fp8_backward.register_fake
 def _(g, x_f8, w_f8, x_s, w_s, grad_s):
-    grad_w = torch.empty_strided(w_f8.shape, (1, w_f8.shape[0]), dtype=torch.float32, device=w_f8.device)
+    grad_w = torch.empty_strided(w_f8.shape, (1, w_f8.shape[0]), dtype=torch.float32,
+                                 device=w_f8.device)
     return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), grad_w
 
 
@@ -1419,7 +1425,7 @@ def fp8_supported(device):
 
 
 def head_matmul(x, w, fp8_scales):
-    """Logits x @ w.T of the head; FP8 with the given (x, w, grad) scales, or a plain matmul (None)."""
+    """The head's logits x @ w.T: FP8 with the given (x, w, grad) scales, or plain (None)."""
     if fp8_scales is not None:
         flat = x.reshape(-1, x.shape[-1])
         return mm_fp8(flat.to(torch.bfloat16), w, *fp8_scales)[0].view(*x.shape[:-1], w.shape[0])
@@ -1430,23 +1436,23 @@ class Softcap(NamedTuple):
     """logits -> scale * sigmoid((logits + offset) / SOFTCAP_WIDTH): a smooth cap in (0, scale)."""
     scale: float
     offset: float = 0.0
-    round_sigmoid: bool = False  # in training on the GPU: the sigmoid in bf16, as record #89's fused loss kernel has it
+    round_sigmoid: bool = False  # GPU training: the sigmoid in bf16, as in #89's fused loss kernel
 
 
 SOFTCAP_WIDTH = 7.5
 
 
-# Validation computes the head over at most this many tokens at once, so its memory does not grow with
+# Validation runs the head over at most this many tokens at once, so its memory does not grow with
 # the validation batch: 16,384 x 50,304 logits x (2 + 4 + 4) bytes (bf16 out, fp32 softcap and
-# log-softmax) is ~8 GB, where the record's 262,144-token slice at once would be ~130 GB.
+# log-softmax) is ~8 GB, where the record's 262,144-token slice would be ~130 GB.
 EVAL_HEAD_ROWS = 16384
 
 
 def round_to_bf16(x):
-    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32, for finite x; the gradient passes
-    unchanged. Written on the bits because Inductor keeps a fused kernel's x.bfloat16().float() in fp32 and
-    skips the rounding (unless emulate_precision_casts), where record #89's loss kernel stores its sigmoid in
-    bf16 and reads that back. x + (rounded - x) is rounded exactly: the difference of two floats this close is exact."""
+    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32, for finite x; the gradient
+    passes unchanged. On the bits because Inductor keeps a fused kernel's x.bfloat16().float() in
+    fp32 (unless emulate_precision_casts), where #89's loss kernel stores its sigmoid in bf16 and
+    reads it back. x + (rounded - x) is exact: the difference of two floats this close is exact."""
     bits = x.detach().view(torch.int32)
     rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -0x10000).view(torch.float32)
     return x + (rounded - x.detach())
@@ -1463,10 +1469,9 @@ def softcapped(logits, softcap, training=False):
 
 
 def multi_token_loss(z, targets, weights, loss_mask=None):
-    """sum_t sum_k w_k (logsumexp(z_t) - z_t[targets[t + k]]) over the positions with t + k inside the
-    sequence: token t also predicts the tokens k = 1, 2 after its own target (across documents, as
-    record #89's loss does). With a piece's loss_mask (Batch), only the positions it marks, and only
-    the terms whose target is a token (not NO_TARGET)."""
+    """sum_t sum_k w_k (logsumexp(z_t) - z_t[targets[t + k]]) over t with t + k in the sequence:
+    token t also predicts the tokens k = 1, 2 after its target (across documents, as #89's loss).
+    With a piece's loss_mask (Batch), only the positions it marks and targets that are tokens."""
     lse = torch.logsumexp(z, dim=-1)
     total = z.new_zeros(())
     for k in range(weights.numel()):
@@ -1476,7 +1481,8 @@ def multi_token_loss(z, targets, weights, loss_mask=None):
             total = total + weights[k] * (lse[:n] - picked).sum()
         else:
             picked = z[:n].gather(1, targets[k:, None].clamp_min(0))[:, 0]
-            total = total + weights[k] * ((lse[:n] - picked) * (loss_mask[:n] & (targets[k:] >= 0))).sum()
+            total = total + weights[k] * ((lse[:n] - picked)
+                                          * (loss_mask[:n] & (targets[k:] >= 0))).sum()
     return total
 
 
@@ -1484,14 +1490,14 @@ FUSED_LOSS_ROWS = 4096  # rows of logits the fused FP8 loss holds in fp32 at onc
 
 
 def horizon_rows(n_horizons, start, stop, n):
-    """[(k, rows)]: of the rows [start, stop), the first `rows` have their horizon-k target t + k inside
-    the n positions (horizons without such rows left out)."""
+    """[(k, rows)]: of the rows [start, stop), the first `rows` have their horizon-k target t + k
+    within the n positions (horizons without such rows left out)."""
     return [(k, min(stop, n - k) - start) for k in range(n_horizons) if min(stop, n - k) > start]
 
 
 def horizon_masks(targets, loss_mask, n_horizons):
-    """(n_horizons, n) bool of a micro-step piece: row t's horizon-k term counts where its loss_mask marks t
-    and the target t + k is a token (not NO_TARGET), as multi_token_loss counts them."""
+    """(n_horizons, n) bool of a micro-step piece: row t's horizon-k term counts where loss_mask
+    marks t and the target t + k is a token (not NO_TARGET), as in multi_token_loss."""
     n = targets.numel()
     masks = torch.zeros(n_horizons, n, dtype=torch.bool, device=targets.device)
     for k in range(n_horizons):
@@ -1500,24 +1506,26 @@ def horizon_masks(targets, loss_mask, n_horizons):
 
 
 def softcap_loss_sums(logits, targets, n_horizons, softcap, start, stop, masks=None):
-    """Each horizon's summed loss over the rows [start, stop) of the logits (softcapped as in training);
-    with a piece's horizon_masks, over the terms they mark."""
+    """Each horizon's summed loss over rows [start, stop) of the logits (softcapped as in
+    training); with a piece's horizon_masks, over the terms they mark."""
     z = softcapped(logits[start:stop], softcap, training=True)
     lse = torch.logsumexp(z, dim=-1)
     sums = {}
     for k, rows in horizon_rows(n_horizons, start, stop, logits.size(0)):
-        terms = lse[:rows] - z[:rows].gather(1, targets[start + k: start + k + rows, None].clamp_min(0))[:, 0]
+        terms = lse[:rows] - z[:rows].gather(
+            1, targets[start + k: start + k + rows, None].clamp_min(0))[:, 0]
         sums[k] = (terms if masks is None else terms * masks[k, start: start + rows]).sum()
     return sums
 
 
-def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total, grad_s, masks=None):
-    """d loss / d logits of the rows [start, stop), divided by grad_s and cast to e5m2, in the order of rounding
-    of record #89's loss kernel: the sigmoid s (rounded to bf16 with a rounded sigmoid, and that stored value
-    used everywhere after), z = scale s, p = exp(z - lse) with lse = max + log(sum exp(z - max)),
-    dz = p sum_k w_k - sum_k w_k onehot(t + k), then (grad_total (scale / SOFTCAP_WIDTH) / grad_s) dz s (1 - s)
-    in fp32, left to right, and one saturating cast to e5m2; with a piece's horizon_masks, only the terms they
-    mark. (The kernel's fast-math sigmoid, exp and log round differently in the last fp32 bits.)"""
+def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total, grad_s,
+                      masks=None):
+    """d loss / d logits of rows [start, stop), / grad_s, cast to e5m2, in the rounding order of
+    #89's loss kernel: the sigmoid s (rounded to bf16 with round_sigmoid, that stored value used
+    from then on), z = scale s, p = exp(z - lse) with lse = max + log(sum exp(z - max)),
+    dz = p sum_k w_k - sum_k w_k onehot(t + k), then (grad_total (scale / SOFTCAP_WIDTH) / grad_s)
+    dz s (1 - s) in fp32, left to right, and one saturating cast to e5m2; with horizon_masks, only
+    the terms they mark. (The kernel's fast-math sigmoid, exp, log differ in the last fp32 bits.)"""
     z = logits[start:stop].float()
     if softcap.offset:
         z = z + softcap.offset
@@ -1530,35 +1538,37 @@ def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total
     probs = torch.exp(capped - lse)
     horizons = horizon_rows(weights.numel(), start, stop, logits.size(0))
     row = torch.arange(stop - start, device=logits.device)
-    counted = [(k, rows, row < rows if masks is None else (row < rows) & masks[k, start:stop]) for k, rows in horizons]
+    counted = [(k, rows, row < rows if masks is None else (row < rows) & masks[k, start:stop])
+               for k, rows in horizons]
     count = sum(torch.where(counts, weights[k], 0.0) for k, _, counts in counted)
     column = torch.arange(logits.size(1), device=logits.device)
-    hot = 0.0  # the targets' weights summed per column (a target of several horizons once), then subtracted once
-    for k, rows, counts in counted:  # the one-hot targets as a comparison, so that the whole chain fuses pointwise
+    hot = 0.0  # the targets' weights summed per column, then subtracted once
+    for k, rows, counts in counted:  # one-hot as a comparison, so the whole chain fuses pointwise
         target = F.pad(targets[start + k: start + k + rows], (0, stop - start - rows), value=-1)
         target = torch.where(counts, target, -1)
         hot = hot + torch.where(column == target[:, None], weights[k], 0.0)
     dz = probs * count[:, None] - hot
-    fp32 = functools.partial(logits.new_tensor, dtype=torch.float32)  # the kernel's constant, each step in fp32
-    factor = grad_total.float() * (fp32(1 / SOFTCAP_WIDTH) * softcap.scale) * fp32(grad_s).reciprocal()
-    return (factor * dz * s * (1 - s)).clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)  # saturating, as the kernel
+    fp32 = functools.partial(logits.new_tensor, dtype=torch.float32)  # each step in fp32
+    factor = (grad_total.float() * (fp32(1 / SOFTCAP_WIDTH) * softcap.scale)
+              * fp32(grad_s).reciprocal())
+    return (factor * dz * s * (1 - s)).clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)
 
 
 class FP8SoftcapLoss(torch.autograd.Function):
-    """The FP8 head and its softcapped (multi-token) loss in one op, summed over tokens: the forward keeps
-    only the bf16 logits (the loss runs over FUSED_LOSS_ROWS rows at a time); the backward writes the
-    logits' gradient once, as the e5m2 tensor the FP8 backward multiplies (column-major, as grad_w's
-    _scaled_mm takes it), computing it and grad_x one row block at a time. Same loss as autograd through
-    head_matmul, softcapped and multi_token_loss, to fp32 rounding; the logits' gradient rounds in record #89's
-    kernel's order (softcap_loss_grad), which differs from autograd's in about 2 % of the e5m2 entries."""
+    """The FP8 head and its softcapped (multi-token) loss in one op, summed over tokens. Forward
+    keeps only the bf16 logits (the loss runs FUSED_LOSS_ROWS rows at a time); backward computes the
+    logits' gradient and grad_x per row block, writing the gradient once, as the column-major e5m2
+    tensor grad_w's _scaled_mm takes. The loss matches head_matmul, softcapped and multi_token_loss
+    to fp32 rounding; the gradient rounds as #89's kernel (softcap_loss_grad), unlike autograd in
+    about 2 % of the e5m2 entries."""
 
     @staticmethod
     def forward(ctx, x, w, targets, weights, fp8_scales, softcap, masks):
         logits, x_f8, w_f8 = mm_fp8(x, w, *fp8_scales)
         sums = {}
         for start in range(0, logits.size(0), FUSED_LOSS_ROWS):
-            chunk = softcap_loss_sums(logits, targets, weights.numel(), softcap, start, start + FUSED_LOSS_ROWS,
-                                      masks)
+            chunk = softcap_loss_sums(logits, targets, weights.numel(), softcap, start,
+                                      start + FUSED_LOSS_ROWS, masks)
             for k, value in chunk.items():
                 sums[k] = sums[k] + value if k in sums else value
         total = logits.new_zeros((), dtype=torch.float32)
@@ -1573,30 +1583,32 @@ class FP8SoftcapLoss(torch.autograd.Function):
         logits, x_f8, w_f8, targets, weights, masks = ctx.saved_tensors
         x_s, w_s, grad_s = ctx.scales
         n, vocab = logits.shape
-        # the logits' gradient, transposed; zeros, not empty: Inductor inlines an empty buffer's value as NaN,
-        # a float8 constant Triton 3.6 cannot build (the fill costs one write of the buffer)
+        # the logits' gradient, transposed; zeros, not empty: Inductor inlines an empty buffer's
+        # value as NaN, a float8 constant Triton 3.6 cannot build (the fill costs one write)
         grad_t = logits.new_zeros((vocab, n), dtype=torch.float8_e5m2)
         grad_x = logits.new_empty((n, x_f8.size(1)))
         w_col = w_f8.T.contiguous().T  # _scaled_mm wants its second operand column-major
         scale = functools.partial(logits.new_tensor, dtype=torch.float32)
         for start in range(0, n, FUSED_LOSS_ROWS):
             stop = min(n, start + FUSED_LOSS_ROWS)
-            g_f8 = softcap_loss_grad(logits, targets, weights, ctx.softcap, start, stop, grad_total, grad_s, masks)
-            grad_x[start:stop] = torch._scaled_mm(g_f8, w_col, out_dtype=torch.bfloat16, scale_a=scale(grad_s),
-                                                  scale_b=scale(w_s), use_fast_accum=False)
+            g_f8 = softcap_loss_grad(logits, targets, weights, ctx.softcap, start, stop, grad_total,
+                                     grad_s, masks)
+            grad_x[start:stop] = torch._scaled_mm(g_f8, w_col, out_dtype=torch.bfloat16,
+                                                  scale_a=scale(grad_s), scale_b=scale(w_s),
+                                                  use_fast_accum=False)
             grad_t[:, start:stop] = g_f8.T
-        # computed as (x_f8.T @ g_f8).T: for the head's (50304, 768) weight that orientation is the faster one
-        grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_t.T, out_dtype=torch.float32, scale_a=scale(x_s),
-                                  scale_b=scale(grad_s), use_fast_accum=False).T
+        # as (x_f8.T @ g_f8).T: the faster orientation for the head's (50304, 768) weight
+        grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_t.T, out_dtype=torch.float32,
+                                  scale_a=scale(x_s), scale_b=scale(grad_s), use_fast_accum=False).T
         return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None
 
 
-def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None, loss_mask=None,
-                          inputs=None):
-    """The head and its loss on the GPU path: summed over tokens in training (the next-token loss, or
-    the multi-token loss with the step's mtp_weights; the caller divides by the accumulation steps),
-    the mean next-token loss in fp32 for validation (a validation piece's loss_mask: the sum over it).
-    In FP8, head and loss are one op (FP8SoftcapLoss); otherwise the compiled graph fuses the softcap.
+def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None,
+                          loss_mask=None, inputs=None):
+    """The head and its loss on the GPU path: in training summed over tokens (next-token, or
+    multi-token with the step's mtp_weights; the caller divides by the accumulation steps); in
+    validation the mean next-token loss in fp32 (with a piece's loss_mask: the sum over it). In
+    FP8, head and loss are one op (FP8SoftcapLoss); else the compiled graph fuses the softcap.
     (`inputs`, the sequence's tokens, are for the CPU loss's n-gram prior.)"""
     if training and fp8_scales is not None:
         weights = x.new_ones(1, dtype=torch.float32) if mtp_weights is None else mtp_weights
@@ -1606,42 +1618,46 @@ def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp
     if training:
         z = softcapped(head_matmul(x, weight, fp8_scales), softcap, training=True)
         if loss_mask is not None:
-            return multi_token_loss(z, targets, z.new_ones(1) if mtp_weights is None else mtp_weights, loss_mask)
+            return multi_token_loss(z, targets, z.new_ones(1) if mtp_weights is None
+                                    else mtp_weights, loss_mask)
         return F.cross_entropy(z, targets, reduction="sum") if mtp_weights is None else \
             multi_token_loss(z, targets, mtp_weights)
-    if loss_mask is not None:  # a validation piece: its summed loss (its targets are NO_TARGET outside the mask)
-        return sum(F.cross_entropy(softcapped(head_matmul(xc, weight, None), softcap), tc, reduction="sum",
-                                   ignore_index=NO_TARGET)
+    if loss_mask is not None:  # a validation piece: summed (targets outside the mask are NO_TARGET)
+        return sum(F.cross_entropy(softcapped(head_matmul(xc, weight, None), softcap), tc,
+                                   reduction="sum", ignore_index=NO_TARGET)
                    for xc, tc in zip(x.split(EVAL_HEAD_ROWS), targets.split(EVAL_HEAD_ROWS)))
-    total = sum(F.cross_entropy(softcapped(head_matmul(xc, weight, None), softcap), tc, reduction="sum")
+    total = sum(F.cross_entropy(softcapped(head_matmul(xc, weight, None), softcap), tc,
+                                reduction="sum")
                 for xc, tc in zip(x.split(EVAL_HEAD_ROWS), targets.split(EVAL_HEAD_ROWS)))
     return total / x.size(0)
 
 
 class FP8ReluSquareMLP(torch.autograd.Function):
-    """relu(x W1^T)^2 W2 with both products in FP8 as record #89 computes them: x scaled by 448/amax(x)
+    """relu(x W1^T)^2 W2 with both products in FP8 as #89 computes them: x scaled by 448/amax(x)
     into e4m3 against W1 quantized per layer; the squared activation scaled by the activation scale
-    (1.8 x the previous forward's amax / 448), clamped at 448, into e4m3 against W2 quantized with its
-    delayed scale. The backward runs in bf16 from the saved pre- and post-activations, the weight
-    gradients as bf16 GEMMs (fp32 accumulation) returned in fp32, as the reference computes them.
-    Also returns amax(post), the next forward's activation amax."""
+    (1.8 x the previous forward's amax / 448), clamped at 448, into e4m3 against W2 at its delayed
+    scale. Backward runs in bf16 from the saved pre- and post-activations; the weight gradients are
+    bf16 GEMMs (fp32 accumulation) returned in fp32, as the reference. Also returns amax(post), the
+    next forward's activation amax."""
 
     @staticmethod
     def forward(ctx, x, w1, w2, w1_f8, w1_scale, w2_f8, w2_scale, act_scale):
         amax = x.detach().abs().amax().clamp(min=1e-12)
         x_f8 = (x.detach() * (E4M3_MAX / amax)).to(torch.float8_e4m3fn)
         dequant = w1_scale * amax.float() / E4M3_MAX
-        pre = torch._scaled_mm(x_f8, w1_f8.T, scale_a=dequant, scale_b=dequant.new_ones(()), out_dtype=x.dtype)
+        pre = torch._scaled_mm(x_f8, w1_f8.T, scale_a=dequant, scale_b=dequant.new_ones(()),
+                               out_dtype=x.dtype)
         post = F.relu(pre).square()
         post_f8 = (post.float() * (1 / act_scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-        # the per-layer scales are views into (layers,) buffers; Inductor (torch 2.11) cannot lower _scaled_mm's
-        # tensorwise scale from such a view (LoweringException on the H200), so each is made a tensor of its own
-        # (clamp at 0 changes no positive scale; a clone is elided as a no-op)
-        out = torch._scaled_mm(post_f8, w2_f8, scale_a=act_scale.clamp(min=0), scale_b=w2_scale.clamp(min=0),
-                               out_dtype=x.dtype, use_fast_accum=True)
+        # the per-layer scales are views into (layers,) buffers, from which Inductor (torch 2.11)
+        # cannot lower _scaled_mm's tensorwise scale (LoweringException on the H200); clamp at 0
+        # makes each a tensor of its own (no positive scale changes; a clone is elided as a no-op)
+        out = torch._scaled_mm(post_f8, w2_f8, scale_a=act_scale.clamp(min=0),
+                               scale_b=w2_scale.clamp(min=0), out_dtype=x.dtype,
+                               use_fast_accum=True)
         ctx.save_for_backward(x, w1, w2, pre, post)
         post_amax = post.detach().amax().float()
-        ctx.mark_non_differentiable(post_amax)  # it only scales the next forward: no graph through the buffer
+        ctx.mark_non_differentiable(post_amax)  # it only scales the next forward
         return out, post_amax
 
     @staticmethod
@@ -1654,23 +1670,25 @@ class FP8ReluSquareMLP(torch.autograd.Function):
 
 
 class FP8MLPWeights(nn.Module):
-    """Record #89's FP8 copies of the MLP weights and their scales, refreshed after every optimizer
-    step (quantize): W1 with its own amax (current scaling, in bf16); W2 with the scale computed at the
-    previous refresh, 1.12 x amax / 448 (delayed scaling; it clips if amax grew by more than 12 %), or
-    with its current amax / 448 while `bootstrap` (the first 16 steps). The scales are persistent
-    buffers, so a checkpoint resumes with the copies the run had (requantize)."""
+    """#89's FP8 copies of the MLP weights and their scales, refreshed after every optimizer step
+    (quantize): W1 at its own amax (current scaling, in bf16); W2 at the scale of the previous
+    refresh, 1.12 x amax / 448 (delayed scaling; it clips if amax grew over 12 %), or at its current
+    amax / 448 while `bootstrap` (the first 16 steps). The scales are persistent buffers, so a
+    checkpoint resumes with the run's copies (requantize)."""
 
     W2_HEADROOM, ACT_HEADROOM, BOOTSTRAP_STEPS = 1.12, 1.8, 16
 
     def __init__(self, layers, hidden, dim):
         super().__init__()
-        self.register_buffer("act_scales", torch.ones(layers))  # 1.0 before the first forward, as the reference
+        self.register_buffer("act_scales", torch.ones(layers))  # 1.0 at first, as the reference
         self.register_buffer("w2_scales", torch.ones(layers))  # the scale of the current W2 copy
         self.register_buffer("w2_next_scales", torch.ones(layers))
-        self.register_buffer("w1_f8", torch.zeros(layers, hidden, dim, dtype=torch.float8_e4m3fn), persistent=False)
+        self.register_buffer("w1_f8", torch.zeros(layers, hidden, dim, dtype=torch.float8_e4m3fn),
+                             persistent=False)
         self.register_buffer("w1_scales", torch.ones(layers), persistent=False)
         # W2's copy column-major, as _scaled_mm takes its second operand
-        self.register_buffer("w2_f8", torch.zeros(layers, dim, hidden, dtype=torch.float8_e4m3fn).mT, persistent=False)
+        self.register_buffer("w2_f8", torch.zeros(layers, dim, hidden, dtype=torch.float8_e4m3fn)
+                             .mT, persistent=False)
 
     @torch.no_grad()
     def quantize(self, layers, bootstrap):
@@ -1685,57 +1703,63 @@ class FP8MLPWeights(nn.Module):
 
     @torch.no_grad()
     def requantize(self, layers):
-        """The copies of the current weights (after a restore or a broadcast): W1 at its current scale,
+        """Copies of the current weights (after a restore or a broadcast): W1 at its current scale,
         as quantize made it from these weights, W2 at the delayed scale in the buffers."""
         self._quantize_w1(layers)
         self._quantize_w2(self._w2(layers))
 
     def _quantize_w1(self, layers):
-        w1 = torch.stack([layer.fc_w for layer in layers]).bfloat16()  # the weights as the forward sees them
+        w1 = torch.stack([layer.fc_w for layer in layers]).bfloat16()  # as the forward sees them
         w1_scales = w1.abs().amax(dim=(1, 2)).clamp(min=1e-12) / E4M3_MAX  # bf16, as the reference
         self.w1_scales.copy_(w1_scales.float())
         self.w1_f8.copy_((w1 / w1_scales[:, None, None]).to(torch.float8_e4m3fn))
 
     @staticmethod
     def _w2(layers):
-        return torch.stack([layer.proj_w for layer in layers]).bfloat16().float()  # as the forward sees them
+        # as the forward sees them
+        return torch.stack([layer.proj_w for layer in layers]).bfloat16().float()
 
     def _quantize_w2(self, w2):
-        self.w2_f8.copy_((w2 / self.w2_scales[:, None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
+        self.w2_f8.copy_((w2 / self.w2_scales[:, None, None]).clamp(-E4M3_MAX, E4M3_MAX)
+                         .to(torch.float8_e4m3fn))
 
     def forward(self, i, x, fc_w, proj_w):
-        out, post_amax = FP8ReluSquareMLP.apply(x, fc_w, proj_w, self.w1_f8[i], self.w1_scales[i], self.w2_f8[i],
-                                                self.w2_scales[i], self.act_scales[i])
+        out, post_amax = FP8ReluSquareMLP.apply(x, fc_w, proj_w, self.w1_f8[i], self.w1_scales[i],
+                                                self.w2_f8[i], self.w2_scales[i],
+                                                self.act_scales[i])
         self.act_scales[i].copy_(post_amax.clamp(min=1e-12) * (self.ACT_HEADROOM / E4M3_MAX))
         return out
 
 
 def uses_fp8(hp, device, fp8_hardware=None):
-    """Whether training runs the head (and recipe 89's MLP) in FP8, the one place it is decided: --fp8, and for auto
-    whether the GPU has FP8 tensor cores (fp8_supported; fp8_hardware says it for a GPU the caller only models)."""
+    """Whether training runs the head (and #89's MLP) in FP8, decided only here: --fp8, and for auto
+    whether the GPU has FP8 tensor cores (fp8_supported, or fp8_hardware for a modelled GPU)."""
     if device.type != "cuda":
         if hp.fp8 == "on":
-            raise ConfigError("--fp8 on needs a CUDA device (the CPU path has no FP8 head); use --fp8 auto or off")
+            raise ConfigError("--fp8 on needs a CUDA device (the CPU path has no FP8 head); "
+                              "use --fp8 auto or off")
         return False
-    return hp.fp8 == "on" or (hp.fp8 == "auto" and (fp8_supported(device) if fp8_hardware is None else fp8_hardware))
+    return hp.fp8 == "on" or (hp.fp8 == "auto" and (fp8_supported(device) if fp8_hardware is None
+                                                    else fp8_hardware))
 
 
 def backend_for(hp, device, accum=1, fp8_hardware=None, attention=None, prior=None):
-    """The Backend of a run on `device`: on CUDA FlexAttention, the fused softcapped loss, bf16 embeddings and gates
-    and, where uses_fp8 says so, the FP8 head and MLP (its gradient scale divided by `accum`, the accumulation steps,
-    as recipe 89's loss is); on a CPU the fallbacks in fp32. `attention` replaces the attention (the tools' traces)."""
+    """A run's Backend on `device`: on CUDA FlexAttention, the fused softcapped loss, bf16
+    embeddings and gates, and if uses_fp8 the FP8 head and MLP (gradient scale / `accum`, as
+    #89's loss); on a CPU the fp32 fallbacks. `attention` replaces the attention (tools' traces)."""
     if device.type != "cuda":
         uses_fp8(hp, device)
         loss = chunked_softcap_cross_entropy if prior is None else \
             functools.partial(chunked_softcap_cross_entropy, prior=prior)
-        return Backend(attention or TiledWindowAttention(), loss, None, False, False, CPU_POLAR_EXPRESS, False)
+        return Backend(attention or TiledWindowAttention(), loss, None, False, False,
+                       CPU_POLAR_EXPRESS, False)
     if hp.ngram_prior:
-        raise ConfigError("--ngram_prior needs the CPU loss path (the GPU losses add no prior); use --device cpu or "
-                          "--ngram_prior 0")
+        raise ConfigError("--ngram_prior needs the CPU loss path (the GPU losses add no prior); "
+                          "use --device cpu or --ngram_prior 0")
     fp8 = uses_fp8(hp, device, fp8_hardware)
-    return Backend(attention or FlexWindowAttention(compile_kernel=not hp.compile), softcap_cross_entropy,
-                   head_fp8_scales(hp.head_fp8_amax, accum) if fp8 else None, True, True, GPU_POLAR_EXPRESS,
-                   hp.compile)
+    return Backend(attention or FlexWindowAttention(compile_kernel=not hp.compile),
+                   softcap_cross_entropy, head_fp8_scales(hp.head_fp8_amax, accum) if fp8 else None,
+                   True, True, GPU_POLAR_EXPRESS, hp.compile)
 
 
 def build_model(hp, device, accum=1):
@@ -1744,8 +1768,8 @@ def build_model(hp, device, accum=1):
 
 
 def bf16_params(model):
-    """The parameters the GPU path keeps in bf16, as the reference does: embeddings, head, gates and the MUDD
-    networks (the hidden matrices stay fp32 masters, and the lambdas fp32)."""
+    """The parameters the GPU path keeps in bf16, as the reference: embeddings, head, gates, MUDD
+    networks (the hidden matrices stay fp32 masters, the lambdas fp32)."""
     fp32_groups = ("scalars", "resid_lambdas", "lambdas")
     return [p for p, spec in model.param_table()
             if (spec.optimizer == "adam" and spec.label not in fp32_groups) or spec.label == "gate"]
@@ -1755,8 +1779,8 @@ def bf16_params(model):
 # Optimizers: Polar Express (Triton kernels on GPU), NorMuon, sharded DistAdam, and their wiring
 
 
-# NorMuon trains the hidden matrices and gates, DistAdam the embedding/head, value embeddings and scalars;
-# make_optimizers and step_optimizers wire them as the record does.
+# NorMuon trains the hidden matrices and gates, DistAdam the embedding/head, value embeddings and
+# scalars; make_optimizers and step_optimizers wire them as the record does.
 
 def xxt_torch(X, out=None):
     """X @ X.mT for (m, n) or (batch, m, n)."""
@@ -1774,9 +1798,9 @@ def ba_plus_caa_torch(A, b, c, out=None):
 # Both outputs are symmetric ((XXᵀ)ᵀ = XXᵀ; A = Aᵀ ⇒ (A·A)ᵀ = A·A), so each kernel
 # computes only the output blocks (i, j) with i >= j and stores every off-diagonal
 # block a second time, transposed, at (j, i): ~half the FLOPs of a full matmul.
-# Tile configurations (BLOCK_M, BLOCK_K, warps, stages). On GPU the autotuner picks one per matrix size
-# (a 768x768 Gram matrix is only 21 tiles of 128 for 132 SMs: smaller tiles fill the GPU); under the
-# Triton interpreter (CPU tests) the first one runs, and tests can pick any.
+# Tile configurations (BLOCK_M, BLOCK_K, warps, stages). On GPU the autotuner picks one per matrix
+# size (a 768x768 Gram matrix is only 21 tiles of 128 for 132 SMs: smaller tiles fill the GPU);
+# under the Triton interpreter (CPU tests) the first one runs, and tests can pick any.
 SYM_CONFIGS = [(64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3), (128, 32, 8, 4), (64, 64, 8, 4)]
 
 if HAS_TRITON:
@@ -1845,17 +1869,18 @@ if HAS_TRITON:
 
 if HAS_TRITON:
     _AUTOTUNED = {
-        kernel: triton.autotune([triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-                                 for bm, bk, w, st in SYM_CONFIGS], key=key)(kernel)
+        kernel: triton.autotune([triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w,
+                                               num_stages=st) for bm, bk, w, st in SYM_CONFIGS],
+                                key=key)(kernel)
         for kernel, key in ((_xxt_kernel, ["M", "K"]), (_ba_plus_caa_kernel, ["M"]))}
 
 
 @functools.cache
 def _squeeze_interpreter_loop_bounds():
-    """Triton's interpreter holds a scalar kernel argument as a one-element numpy array. Up to Triton 3.6 it turns
-    one used as a loop bound (`range(0, K, BLOCK_K)`) into an int with int(array), which numpy >= 2.4 refuses
-    ("only 0-dimensional arrays can be converted to Python scalars"); Triton 3.8 squeezes the array first. Do the
-    same for older versions. Interpreter only: a compiled kernel never runs this code."""
+    """Triton's interpreter holds a scalar kernel argument as a one-element numpy array; up to
+    Triton 3.6 one used as a loop bound (`range(0, K, BLOCK_K)`) goes through int(array), which
+    numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"). Triton
+    3.8 squeezes the array first; do the same for older versions (interpreter only)."""
     from triton.runtime import interpreter
     if tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2]) >= (3, 8):
         return
@@ -1863,14 +1888,15 @@ def _squeeze_interpreter_loop_bounds():
 
     def patch_tensor_squeezing(tensor, scope):
         patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))  # undone last-in first-out
+        # undone last-in first-out
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     interpreter._patch_lang_tensor = patch_tensor_squeezing
 
 
 def _sym_launch(kernel, inp, out, *args, config=None):
-    """Launch a lower-triangle kernel on (m, k) / (batch, m, k) input, output (.., m, m); autotuned on
-    GPU unless `config` (one of SYM_CONFIGS) is given."""
+    """Launch a lower-triangle kernel on (m, k) / (batch, m, k) input, output (.., m, m); autotuned
+    on GPU unless `config` (one of SYM_CONFIGS) is given."""
     assert inp.ndim in (2, 3), f"expected a 2D or 3D tensor, got shape {tuple(inp.shape)}"
     M = inp.size(-2)
     if out is None:
@@ -1920,7 +1946,8 @@ GPU_POLAR_EXPRESS = dict(use_triton=HAS_TRITON, dtype=torch.bfloat16)
 def polar_express(G, use_triton=HAS_TRITON, dtype=torch.bfloat16):
     """Approximate orthogonalization (polar factor) of G (..., m, n) in `dtype`; the symmetric
     products run as Triton kernels (GPU) or torch matmuls. Defaults: the GPU path."""
-    xxt, ba_plus_caa = (xxt_triton, ba_plus_caa_triton) if use_triton else (xxt_torch, ba_plus_caa_torch)
+    xxt, ba_plus_caa = ((xxt_triton, ba_plus_caa_triton) if use_triton
+                        else (xxt_torch, ba_plus_caa_torch))
     tall = G.size(-2) > G.size(-1)
     if tall:  # work on the wide side so the Gram matrix A is the smaller one
         G = G.mT
@@ -1946,12 +1973,11 @@ def world_info():
 
 
 class ScheduledOptimizer:
-    """What the training loop asks of every optimizer: param_groups (dicts holding "params", "lr" and
-    "initial_lr"), set_schedule() before each step, after the step's last backward the three phases
-    reduce_grads() (start the reduce-scatters of the gradients, asynchronously), update() (wait for
-    them, update this rank's share, start the all-gathers) and finish() (wait for those), or step()
-    for all three; zero_grad(), and a state_dict() that does not depend on the world size (collective
-    when distributed) with its load_state_dict()."""
+    """What the training loop asks of every optimizer: param_groups (dicts with "params", "lr",
+    "initial_lr"), set_schedule() before each step; after the step's last backward reduce_grads()
+    (start the gradients' reduce-scatters, async), update() (wait, update this rank's share, start
+    the all-gathers) and finish() (wait for those), or step() for all three; zero_grad(), and a
+    state_dict() independent of the world size (collective when distributed), load_state_dict()."""
 
     param_groups: list
 
@@ -1975,8 +2001,8 @@ class ScheduledOptimizer:
         """(Nothing left to wait for.)"""
 
     def exact_weights(self):
-        """Make every rank's parameters the exact weights (collective; before a checkpoint snapshot): an
-        optimizer that sends its new weights rounded keeps the exact ones on the rank that owns them."""
+        """Make every rank's parameters the exact weights (collective; before a snapshot): an
+        optimizer sending its new weights rounded keeps the exact ones on the owning rank."""
 
     def step(self):
         self.reduce_grads()
@@ -1991,29 +2017,30 @@ class ScheduledOptimizer:
 
 
 class NorMuon(ScheduledOptimizer):
-    """Momentum -> Polar Express -> per-row/column variance normalization -> cautious decoupled decay.
+    """Momentum -> Polar Express -> per-row/column variance normalization -> cautious decay.
 
     Parameters of one shape are stacked (sorted by label, so a rank's chunk holds contiguous runs of
-    one kind); each rank owns a contiguous chunk of the stack (zero-padded so the chunks are equal),
-    receives its gradients by reduce-scatter, updates them, and all-gathers the new weights. A stack
-    of at least two matrices per rank is split in two groups. step() starts every group's
-    reduce-scatter, then updates the groups smallest first, so each group's Polar Express overlaps the
-    later groups' communication. Momentum and second moments keep the parameter's dtype (fp32 matrices;
-    bf16 gates on GPU), as in the reference. `polar` holds polar_express's options: GPU_POLAR_EXPRESS, or
-    CPU_POLAR_EXPRESS on a CPU. `wire_dtype` (bf16 on the GPU path, as the reference's bf16 parameters
-    travel; None: the parameter's dtype) is the dtype gradients and new weights travel in between ranks:
-    a rank owns the exact fp32 weights of its chunk and holds the others rounded, which the forward's
-    bf16 casts and FP8 copies cannot tell apart; exact_weights() gathers the exact ones for a snapshot.
-    """
+    one kind), zero-padded into equal per-rank chunks; each rank gets its chunk's gradients by
+    reduce-scatter, updates them and all-gathers the new weights. A stack of at least two matrices
+    per rank is split in two groups. step() starts every reduce-scatter, then updates the groups
+    smallest first, so each one's Polar Express overlaps the later groups' communication. Momentum
+    and second moments keep the parameter's dtype (fp32 matrices; bf16 gates on GPU), as in the
+    reference. `polar`: polar_express's options (GPU_POLAR_EXPRESS, or CPU_POLAR_EXPRESS).
+    `wire_dtype` (bf16 on the GPU path, as the reference's bf16 parameters travel; None: the
+    parameter's dtype) is what gradients and new weights travel in: a rank owns the exact fp32
+    weights of its chunk and holds the others rounded, which the forward's bf16 casts and FP8
+    copies cannot tell apart; exact_weights() gathers the exact ones for a snapshot."""
 
-    def __init__(self, table, lr, weight_decay, momentum, beta2, polar=GPU_POLAR_EXPRESS, compile_math=False,
-                 wire_dtype=None):
+    def __init__(self, table, lr, weight_decay, momentum, beta2, polar=GPU_POLAR_EXPRESS,
+                 compile_math=False, wire_dtype=None):
         """table: [(parameter, ParamSpec)] (GPT.param_table's matrix part)."""
         self.rank, self.world_size = world_info()
         self.polar, self.wire_dtype = polar, wire_dtype
         # the pointwise math compiled (fused) on the GPU, as the reference's is
-        self.normalize = torch.compile(normalize_variance, dynamic=False) if compile_math else normalize_variance
-        self.apply_update = torch.compile(cautious_update, dynamic=False) if compile_math else cautious_update
+        self.normalize = (torch.compile(normalize_variance, dynamic=False) if compile_math
+                          else normalize_variance)
+        self.apply_update = (torch.compile(cautious_update, dynamic=False) if compile_math
+                             else cautious_update)
         self._pending, self._gathers = None, []
         self.specs = dict(table)
         params = list(self.specs)
@@ -2033,21 +2060,22 @@ class NorMuon(ScheduledOptimizer):
         def per_param(values):
             return torch.tensor(values + padding, dtype=torch.float32, device=params[0].device)
 
-        def shape_factor(q):  # sqrt(max(1, rows/cols)) of each piece the parameter is orthogonalized in
+        def shape_factor(q):  # sqrt(max(1, rows/cols)) of each piece it is orthogonalized in
             rows, cols = q.shape
             return max(1.0, rows // self.specs[q].pieces / cols) ** 0.5
 
         return dict(
-            params=params, lr=lr, initial_lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2, chunk=chunk,
-            reduce_dim=piece_reduce_dim(params[0], self.specs[params[0]]),
-            lr_scale=per_param([shape_factor(q) * self.specs[q].lr_mul for q in params]),  # x its lr_mul
+            params=params, lr=lr, initial_lr=lr, weight_decay=weight_decay, momentum=momentum,
+            beta2=beta2, chunk=chunk, reduce_dim=piece_reduce_dim(params[0], self.specs[params[0]]),
+            lr_scale=per_param([shape_factor(q) * self.specs[q].lr_mul for q in params]),
             wd_scale=per_param([self.specs[q].wd_mul for q in params]),
             momentum_buffer=None, second_moment=None)
 
     def _owned(self, group):
-        """Global indices [start, stop) of this rank's chunk and how many of them are real parameters."""
+        """Global indices [start, stop) of this rank's chunk, and how many are real parameters."""
         start = self.rank * group["chunk"]
-        return start, start + group["chunk"], max(0, min(len(group["params"]), start + group["chunk"]) - start)
+        return (start, start + group["chunk"],
+                max(0, min(len(group["params"]), start + group["chunk"]) - start))
 
     def _owned_params(self, group):
         start, _, n_real = self._owned(group)
@@ -2073,8 +2101,9 @@ class NorMuon(ScheduledOptimizer):
         return self.wire_dtype if self.wire_dtype is not None else group["params"][0].dtype
 
     def _reduce(self, group):
-        """Start the reduce-scatter (AVG) of a group's stacked gradients: (this rank's chunk, handle)."""
-        grads = self._stack([p.grad for p in group["params"]], group, self._wire(group) if self.world_size > 1 else None)
+        """Start the reduce-scatter (AVG) of a group's stacked gradients: (local chunk, handle)."""
+        grads = self._stack([p.grad for p in group["params"]], group,
+                            self._wire(group) if self.world_size > 1 else None)
         if self.world_size == 1:
             return grads, None
         local = grads.new_empty(group["chunk"], *grads.shape[1:])
@@ -2086,9 +2115,10 @@ class NorMuon(ScheduledOptimizer):
 
     @torch.no_grad()
     def update(self):
-        """Groups smallest first: each one's Polar Express runs while the later groups' gradients are
-        still being reduced."""
-        pending, self._pending = self._pending or [self._reduce(group) for group in self.param_groups], None
+        """Groups smallest first: each one's Polar Express runs while the later groups' gradients
+        are still being reduced."""
+        pending, self._pending = self._pending or [self._reduce(group)
+                                                   for group in self.param_groups], None
         for group, (local, handle) in zip(self.param_groups, pending):
             if handle is not None:
                 handle.wait()
@@ -2097,7 +2127,8 @@ class NorMuon(ScheduledOptimizer):
                 sent = new_weights.to(self._wire(group))
                 full = sent.new_empty(group["chunk"] * self.world_size, *sent.shape[1:])
                 handle = dist.all_gather_into_tensor(full, sent, async_op=True)
-                self._gathers.append((group, full, handle, new_weights if sent.dtype != new_weights.dtype else None))
+                self._gathers.append((group, full, handle,
+                                      new_weights if sent.dtype != new_weights.dtype else None))
             else:
                 self._gathers.append((group, new_weights, None, None))
 
@@ -2125,23 +2156,25 @@ class NorMuon(ScheduledOptimizer):
                 p.copy_(exact)
 
     def _update_chunk(self, group, grad):
-        """Steps 1-5 of NorMuon on this rank's chunk (consumed in place); returns the chunk's new weights."""
+        """NorMuon's steps 1-5 on this rank's chunk (consumed in place); returns its new weights."""
         start, stop, _ = self._owned(group)
         params = self._owned_params(group)
         if group["momentum_buffer"] is None:
             group["momentum_buffer"] = torch.zeros_like(grad)
             first = group["params"][0]
-            group["second_moment"] = grad.new_zeros(grad.shape[0], *second_moment_shape(first, self.specs[first]))
+            group["second_moment"] = grad.new_zeros(grad.shape[0],
+                                                    *second_moment_shape(first, self.specs[first]))
         mu = group["momentum"]
         buf = group["momentum_buffer"]
         buf.lerp_(grad, 1 - mu)
         nesterov = grad.lerp_(buf, mu)
         update = torch.zeros_like(grad, dtype=self.polar["dtype"])
         for pieces, lo, hi in label_runs([self.specs[p].pieces for p in params]):
-            # a parameter of several pieces (the merged attention weight's Q, K, V, O; Q and K head pairs)
-            # is that many matrices for both steps
-            update[lo:hi] = normuon_direction(nesterov[lo:hi], group["second_moment"][lo:hi], pieces,
-                                              group["reduce_dim"], group["beta2"], self.polar, self.normalize)
+            # a parameter of several pieces (the merged attention weight's Q, K, V, O; Q and K
+            # head pairs) is that many matrices for both steps
+            update[lo:hi] = normuon_direction(nesterov[lo:hi], group["second_moment"][lo:hi],
+                                              pieces, group["reduce_dim"], group["beta2"],
+                                              self.polar, self.normalize)
         weights = self._owned_weights(group, torch.float32)
         lr = group["lr"]
         lr_factor = (group["lr_scale"][start:stop] * lr).view(-1, 1, 1)
@@ -2149,8 +2182,8 @@ class NorMuon(ScheduledOptimizer):
         return self.apply_update(weights, update, lr_factor, wd_factor).to(group["params"][0].dtype)
 
     def state_dict(self):
-        """Each parameter's momentum and second moment, in the order the parameters were given: the
-        same at any world size or grouping. Identical on every rank; collective when distributed."""
+        """Each parameter's momentum and second moment in the order the parameters were given: the
+        same at any world size or grouping, on every rank; collective when distributed."""
         state = {key: [None] * len(self._order) for key in ("momentum_buffer", "second_moment")}
         for group in self.param_groups:
             for key in ("momentum_buffer", "second_moment"):
@@ -2171,15 +2204,16 @@ class NorMuon(ScheduledOptimizer):
                 if values[0] is None:
                     group[key] = None
                     continue
-                local = values[0].new_zeros(group["chunk"], *values[0].shape, device=group["params"][0].device)
+                local = values[0].new_zeros(group["chunk"], *values[0].shape,
+                                            device=group["params"][0].device)
                 for i, value in enumerate(values[start: start + n_real]):
                     local[i] = value
                 group[key] = local
 
 
 def piece_reduce_dim(p, spec):
-    """NorMuon normalizes a piece per row (-1) if it is at least as tall as wide, else per column (-2);
-    gates always per row."""
+    """NorMuon normalizes a piece per row (-1) if it is at least as tall as wide, else per column
+    (-2); gates always per row."""
     rows, cols = p.shape
     return -1 if rows // spec.pieces >= cols or spec.label == "gate" else -2
 
@@ -2192,18 +2226,20 @@ def second_moment_shape(p, spec):
 
 def stacked_groups(table, world_size):
     """NorMuon's communication groups: parameters of one shape and second-moment layout (sorted by
-    label), split in two when each rank can still own one of each half; smallest groups first. Each
-    group is stacked, padded to a multiple of the world size and cut into equal per-rank chunks."""
+    label), split in two when each rank can still own one of each half; smallest groups first.
+    Each is stacked, padded to a multiple of the world size and cut into equal per-rank chunks."""
     by_shape, label = {}, {}
     for p, spec in table:
         by_shape.setdefault((tuple(p.shape), second_moment_shape(p, spec)), []).append(p)
         label[p] = spec.label
     groups = []
-    for (shape, _), same_shape in sorted(by_shape.items(), key=lambda kv: math.prod(kv[0][0]) * len(kv[1])):
+    for (shape, _), same_shape in sorted(by_shape.items(),
+                                         key=lambda kv: math.prod(kv[0][0]) * len(kv[1])):
         same_shape = sorted(same_shape, key=label.get)  # stable: keeps model order per label
         parts = 2 if len(same_shape) >= 2 * world_size else 1
         chunk = -(-len(same_shape) // (parts * world_size))
-        groups += [same_shape[start: start + chunk * world_size] for start in range(0, len(same_shape), chunk * world_size)]
+        groups += [same_shape[start: start + chunk * world_size]
+                   for start in range(0, len(same_shape), chunk * world_size)]
     return groups
 
 
@@ -2227,8 +2263,8 @@ def label_runs(labels):
 
 
 def normuon_direction(stack, second_moment, pieces, reduce_dim, beta2, polar, normalize=None):
-    """Polar Express, then variance normalization (normalize_variance, or its compiled version), of a
-    (n, rows, cols) stack of one kind of matrix, each matrix treated as `pieces` row blocks of its own
+    """Polar Express, then variance normalization (normalize_variance or its compiled version), of
+    an (n, rows, cols) stack of one kind of matrix, each matrix as `pieces` row blocks of its own
     (second_moment is updated in place)."""
     n, rows, cols = stack.shape
     update = polar_express(stack.reshape(n * pieces, rows // pieces, cols), **polar)
@@ -2237,34 +2273,36 @@ def normuon_direction(stack, second_moment, pieces, reduce_dim, beta2, polar, no
 
 
 def cautious_update(weights, update, lr_factor, wd_factor):
-    """weights - weights * wd * lr (only where the update agrees with the weight's sign) - update * lr."""
+    """weights - weights * wd * lr (where update and weight agree in sign) - update * lr."""
     mask = (update * weights) >= 0
     return weights - weights * mask * wd_factor * lr_factor - update * lr_factor
 
 
 def normalize_variance(update, second_moment, reduce_dim, beta2):
     """NorMuon: divide by a running RMS along one axis, then restore each matrix's Frobenius norm.
-    Norms come from the per-axis means of squares (as the reference computes them); the result keeps
-    the dtype of `update`."""
+    Norms come from the per-axis means of squares (as the reference computes them); the result
+    keeps the dtype of `update`."""
     mean_square = update.float().square().mean(dim=reduce_dim, keepdim=True)
     axis_len = update.size(reduce_dim)
     norm_before = mean_square.sum(dim=(-2, -1), keepdim=True).mul_(axis_len).sqrt_()
     second_moment.lerp_(mean_square.to(second_moment.dtype), 1 - beta2)
     step = second_moment.clamp_min(1e-10).rsqrt()
-    norm_after = ((mean_square * axis_len) * step.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
+    norm_after = ((mean_square * axis_len) * step.float().square()).sum(dim=(-2, -1),
+                                                                        keepdim=True).sqrt_()
     return update * (step * (norm_before / norm_after.clamp_min(1e-10))).type_as(update)
 
 
 def ema_(average, value, beta):
-    """average <- beta * average + (1 - beta) * value, in place (an Adam moment, a Shampoo factor). beta is a
-    float, or a 0-dim tensor in compiled code (a new value needs no new graph)."""
+    """average <- beta * average + (1 - beta) * value, in place (an Adam moment, a Shampoo factor);
+    beta a float, or a 0-dim tensor in compiled code (a new value needs no new graph)."""
     if isinstance(beta, Tensor):
         return average.mul_(beta).add_(value * (1 - beta))
     return average.mul_(beta).add_(value, alpha=1 - beta)
 
 
 def ema_square_(average, value, beta):
-    """average <- beta * average + (1 - beta) * value^2, in place (Adam's second moment); beta as for ema_."""
+    """average <- beta * average + (1 - beta) * value^2, in place (Adam's second moment); beta as
+    for ema_."""
     if isinstance(beta, Tensor):
         return average.mul_(beta).add_(value * value * (1 - beta))
     return average.mul_(beta).addcmul_(value, value, value=1 - beta)
@@ -2280,9 +2318,8 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def adam_update_(exp_avg, exp_avg_sq, grad, weight, beta1, beta2, eps, step_size, decay):
-    """The reference's Adam step with cautious decay, in fp32: the moments are updated in place, `weight` (an
-    fp32 copy of the slice) becomes the new weight and is returned. Decay only where the update agrees with
-    the weight's sign (update x weight > 0)."""
+    """The reference's Adam step with cautious decay (only where update x weight > 0), in fp32: the
+    moments are updated in place; `weight`, an fp32 copy of the slice, becomes the new weight."""
     m = ema_(exp_avg.clone(), grad, beta1)
     v = ema_square_(exp_avg_sq.clone(), grad, beta2)
     exp_avg.copy_(m)
@@ -2292,38 +2329,39 @@ def adam_update_(exp_avg, exp_avg_sq, grad, weight, beta1, beta2, eps, step_size
     return weight.sub_(update)
 
 
-# DistAdam's parameters up to this many elements share their collectives (a bucket per dtype): at 8 GPUs a
-# collective costs a launch and NCCL's latency however small it is, and recipe 89 has 25 such parameters of at
-# most 98,304 elements (gates, lambdas, scalars, MUDD networks) beside 8 tables of 38.6M elements or more,
-# which travel alone (a bucket would copy them).
+# DistAdam's parameters up to this many elements share their collectives (a bucket per dtype): at
+# 8 GPUs a collective costs a launch and NCCL's latency however small it is, and recipe 89 has 25
+# such parameters of at most 98,304 elements (gates, lambdas, scalars, MUDD networks) beside 8
+# tables of 38.6M elements or more, which travel alone (a bucket would copy them).
 ADAM_BUCKET_NUMEL = 1 << 20
 
 
 class DistAdam(ScheduledOptimizer):
-    """ZeRO-1 Adam: each rank keeps the fp32 moments of its slice of dim 0 of every parameter. A first dimension that does not divide by the world size is padded with zero rows in the
-    communication buffers and the moments (the parameter keeps its shape). step() starts every
-    parameter's reduce-scatter (AVG), then per parameter waits, updates its slice and all-gathers it; the
-    parameters up to ADAM_BUCKET_NUMEL elements travel together, one bucket per dtype (one reduce-scatter and
-    one all-gather for all of them: each element is reduced as it would be alone).
-    A parameter's own betas (its ParamSpec's) replace `betas`. Cautious decay where update x weight > 0. `tie` = (head, embedding): until untie(), the embedding's gradient joins the
-    head's, and the embedding is a copy of the updated head.
-    """
+    """ZeRO-1 Adam: each rank keeps the fp32 moments of its slice of dim 0 of every parameter (a
+    first dimension that does not divide by the world size is zero-padded in the communication
+    buffers and the moments). step() starts every reduce-scatter (AVG), then per parameter waits,
+    updates its slice and all-gathers it; parameters up to ADAM_BUCKET_NUMEL elements travel as one
+    bucket per dtype (each element reduced as it would be alone). A parameter's own betas (its
+    ParamSpec's) replace `betas`. Cautious decay where update x weight > 0. `tie` = (head,
+    embedding): until untie(), the embedding's gradient joins the head's, and the embedding is a
+    copy of the updated head."""
 
     def __init__(self, table, lr, betas, eps, weight_decay, tie=None, compile_math=False):
         """table: [(parameter, ParamSpec)] (GPT.param_table's DistAdam part)."""
         self.rank, self.world_size = world_info()
-        # the pointwise math compiled (fused) on the GPU, as the reference's is; the per-step factors, and
-        # there the betas (float64: 1 - beta as in Python), are 0-dim CPU tensors, so that one graph per shape
-        # serves every parameter group and step
+        # the pointwise math compiled (fused) on the GPU, as the reference's is; the per-step
+        # factors, and there the betas (float64: 1 - beta as in Python), are 0-dim CPU tensors,
+        # so one graph per shape serves every parameter group and step
         self.compiled = compile_math
         self.math = torch.compile(adam_update_, dynamic=False) if compile_math else adam_update_
         self._step_size, self._decay = torch.zeros(()), torch.zeros(())
         self._betas = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         self._pending, self._gathers = None, []
         self.tie, self.tied = tie, tie is not None
-        self.param_groups = [dict(params=[p], lr=lr, initial_lr=lr, betas=spec.betas or betas, eps=eps,
-                                  weight_decay=weight_decay, lr_mul=spec.lr_mul, wd_mul=spec.wd_mul, step=0,
-                                  exp_avg=None, exp_avg_sq=None) for p, spec in table]
+        self.param_groups = [dict(params=[p], lr=lr, initial_lr=lr, betas=spec.betas or betas,
+                                  eps=eps, weight_decay=weight_decay, lr_mul=spec.lr_mul,
+                                  wd_mul=spec.wd_mul, step=0, exp_avg=None, exp_avg_sq=None)
+                             for p, spec in table]
 
     def untie(self):
         """From now on the embedding trains on its own, from the head's weights and Adam state."""
@@ -2337,7 +2375,7 @@ class DistAdam(ScheduledOptimizer):
         return next(group for group in self.param_groups if group["params"][0] is p)
 
     def _padded(self, t):
-        """t with zero rows appended up to a multiple of the world size (t itself if none are needed)."""
+        """t zero-padded to a multiple of the world size in rows (t itself if none are needed)."""
         missing = -t.shape[0] % self.world_size
         return t if missing == 0 else torch.cat([t, t.new_zeros(missing, *t.shape[1:])])
 
@@ -2347,8 +2385,9 @@ class DistAdam(ScheduledOptimizer):
         return t[self.rank * rows: (self.rank + 1) * rows]
 
     def _units(self):
-        """The stepping groups as they communicate: a large parameter alone, and per dtype one bucket of all the
-        parameters up to ADAM_BUCKET_NUMEL elements, where its first member is (the same order on every rank)."""
+        """The stepping groups as they communicate: a large parameter alone, and per dtype one
+        bucket of the parameters up to ADAM_BUCKET_NUMEL elements, where its first member is (the
+        same order on every rank)."""
         units, buckets = [], {}
         for group in self._stepping_groups():
             p = group["params"][0]
@@ -2362,33 +2401,36 @@ class DistAdam(ScheduledOptimizer):
         return units
 
     def _reduce(self, unit):
-        """Start the reduce-scatter (AVG) of a unit's gradients in one collective: (this rank's rows of each,
-        handle); alone: (the gradients, None). Each gradient, padded, is (world size, its slice) laid side by side
-        with the others' (a view, for a parameter alone), so that rank r receives every parameter's slice r."""
+        """Start the reduce-scatter (AVG) of a unit's gradients in one collective: (this rank's rows
+        of each, handle); alone: (the gradients, None). Each padded gradient is (world size, its
+        slice), laid side by side with the others' (a view, alone), so rank r gets every slice r."""
         params = [group["params"][0] for group in unit]
         if self.world_size == 1:
             return [p.grad for p in params], None
         views = [self._padded(p.grad.contiguous()).view(self.world_size, -1) for p in params]
         flat = views[0] if len(views) == 1 else torch.cat(views, dim=1)
         local = flat.new_empty(flat.shape[1])
-        handle = dist.reduce_scatter_tensor(local, flat.view(-1), op=dist.ReduceOp.AVG, async_op=True)
+        handle = dist.reduce_scatter_tensor(local, flat.view(-1), op=dist.ReduceOp.AVG,
+                                            async_op=True)
         slices = local.split([v.shape[1] for v in views])
         return [s.view(-1, *p.shape[1:]) for s, p in zip(slices, params)], handle
 
     def _gather(self, unit, shards):
-        """Start the all-gather of a unit's updated slices in one collective: (params, output, handle). A
-        parameter alone whose rows divide by the world size is gathered in place."""
+        """Start the all-gather of a unit's updated slices in one collective: (params, output,
+        handle). A parameter alone whose rows divide by the world size is gathered in place."""
         params = [group["params"][0] for group in unit]
         if len(params) == 1 and params[0].shape[0] % self.world_size == 0:
             p = params[0]
             return params, p, dist.all_gather_into_tensor(p, shards[0], async_op=True)
-        local = shards[0].reshape(-1) if len(shards) == 1 else torch.cat([s.reshape(-1) for s in shards])
+        local = (shards[0].reshape(-1) if len(shards) == 1
+                 else torch.cat([s.reshape(-1) for s in shards]))
         full = local.new_empty(self.world_size * local.numel())
         return params, full, dist.all_gather_into_tensor(full, local, async_op=True)
 
     def _stepping_groups(self):
         """The groups this step updates (a tied embedding follows the head instead)."""
-        return [group for group in self.param_groups if not (self.tied and group["params"][0] is self.tie[1])]
+        return [group for group in self.param_groups
+                if not (self.tied and group["params"][0] is self.tie[1])]
 
     @torch.no_grad()
     def reduce_grads(self):
@@ -2409,7 +2451,8 @@ class DistAdam(ScheduledOptimizer):
             for group, grad in zip(unit, grads):
                 p = group["params"][0]
                 shard = self._slice(self._padded(p))
-                new_shard = self._adam_update(group, grad.float(), shard.to(torch.float32, copy=True), p)
+                new_shard = self._adam_update(group, grad.float(),
+                                              shard.to(torch.float32, copy=True), p)
                 if self.world_size == 1:
                     shard.copy_(new_shard)
                 else:
@@ -2424,8 +2467,8 @@ class DistAdam(ScheduledOptimizer):
             handle.wait()
             if full is params[0]:
                 continue
-            parts = full.view(self.world_size, -1).split([-(-p.shape[0] // self.world_size) * p[0].numel()
-                                                          for p in params], dim=1)
+            parts = full.view(self.world_size, -1).split(
+                [-(-p.shape[0] // self.world_size) * p[0].numel() for p in params], dim=1)
             for p, part in zip(params, parts):
                 p.copy_(part.reshape(-1, *p.shape[1:])[: p.shape[0]])
         if self.tied:
@@ -2433,8 +2476,8 @@ class DistAdam(ScheduledOptimizer):
             embed.copy_(head)
 
     def _adam_update(self, group, grad, weight, p):
-        """The reference's Adam step with cautious decay, in fp32; `weight` is an fp32 copy of this rank's slice
-        and is updated in place."""
+        """The reference's Adam step with cautious decay, in fp32; `weight`, an fp32 copy of this
+        rank's slice, is updated in place."""
         beta1, beta2 = group["betas"]
         if group["exp_avg"] is None:
             group["exp_avg"] = torch.zeros_like(weight, dtype=torch.float32)
@@ -2442,19 +2485,19 @@ class DistAdam(ScheduledOptimizer):
         group["step"] += 1
         t = group["step"]
         lr = group["lr"] * group["lr_mul"]  # the parameter's own learning rate
-        # unlike adam_direction, eps is added to the uncorrected sqrt(v) and both bias corrections live in
-        # the step size, as in the reference
+        # unlike adam_direction, eps is added to the uncorrected sqrt(v) and both bias corrections
+        # live in the step size, as in the reference
         self._step_size.fill_(lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t)))
         # decay factor lr * (lr * wd * wd_mul): it follows the square of the parameter's own lr (an
-        # absurd lr saturates the factor instead of raising, so the run stops with the non-finite-loss hint)
+        # absurd lr saturates it instead of raising, so the run stops with the non-finite-loss hint)
         self._decay.fill_(min(lr * group["weight_decay"] * group["wd_mul"] * lr, FLOAT32_MAX))
         if self.compiled:
             beta1, beta2 = (t.fill_(beta) for t, beta in zip(self._betas, (beta1, beta2)))
-        return self.math(group["exp_avg"], group["exp_avg_sq"], grad, weight, beta1, beta2, group["eps"],
-                         self._step_size, self._decay)
+        return self.math(group["exp_avg"], group["exp_avg_sq"], grad, weight, beta1, beta2,
+                         group["eps"], self._step_size, self._decay)
 
     def state_dict(self):
-        """Full moments (all ranks' slices gathered, the padding cut off); collective when distributed."""
+        """Full moments (all ranks' slices gathered, padding cut off); collective if distributed."""
         groups = []
         for group in self.param_groups:
             rows = group["params"][0].shape[0]
@@ -2468,48 +2511,54 @@ class DistAdam(ScheduledOptimizer):
     def load_state_dict(self, state):
         if len(state["groups"]) != len(self.param_groups) or any(
                 entry[key] is not None and entry[key].shape != group["params"][0].shape
-                for group, entry in zip(self.param_groups, state["groups"]) for key in ("exp_avg", "exp_avg_sq")):
+                for group, entry in zip(self.param_groups, state["groups"])
+                for key in ("exp_avg", "exp_avg_sq")):
             raise ValueError("DistAdam state does not match the parameters of this model")
         self.tied = state["tied"] and self.tie is not None
         for group, entry in zip(self.param_groups, state["groups"]):
             group["step"] = entry["step"]
             p = group["params"][0]
             for key in ("exp_avg", "exp_avg_sq"):
-                group[key] = None if entry[key] is None else self._slice(self._padded(entry[key].to(p.device))).clone()
+                group[key] = None if entry[key] is None else \
+                    self._slice(self._padded(entry[key].to(p.device))).clone()
 
 
 def split_params_for_optimizers(model):
-    """(the matrix optimizer's table, DistAdam's): GPT.param_table's (parameter, ParamSpec) pairs, each in
-    model order: hidden matrices and (unless given to DistAdam) gates; embeddings, head and scalars."""
+    """(the matrix optimizer's table, DistAdam's): GPT.param_table's (parameter, ParamSpec) pairs,
+    in model order: hidden matrices and (unless DistAdam's) gates; embeddings, head, scalars."""
     table = model.param_table()
     matrix = [(p, spec) for p, spec in table if spec.optimizer == "matrix"]
     adam = [(p, spec) for p, spec in table if spec.optimizer == "adam"]
     covered = [id(p) for p, _ in matrix + adam]
-    if sorted(covered) != sorted(id(p) for p in model.parameters()) or len(set(covered)) != len(covered):
-        raise AssertionError("optimizer parameter sets must cover every model parameter exactly once")
+    if (sorted(covered) != sorted(id(p) for p in model.parameters())
+            or len(set(covered)) != len(covered)):
+        raise AssertionError("optimizer parameter sets must cover every model parameter "
+                             "exactly once")
     return matrix, adam
 
 
 def make_optimizers(model, hp, backend):
-    """(matrix optimizer, DistAdam) for the model's parameters, on the model's Backend: NorMuon (the
-    record) or track3.py's --matrix_optimizer, with the Backend's Polar Express path, wire dtype and
-    compiled pointwise math."""
+    """(matrix optimizer, DistAdam) on the model's Backend: NorMuon (the record) or track3.py's
+    --matrix_optimizer, with the Backend's Polar Express path, wire dtype and compiled math."""
     matrix_table, adam_table = split_params_for_optimizers(model)
     embed = getattr(model, "embed", None)
     adam = DistAdam(adam_table, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd,
-                    tie=None if embed is None else (model.lm_head.weight, embed), compile_math=backend.compile_math)
+                    tie=None if embed is None else (model.lm_head.weight, embed),
+                    compile_math=backend.compile_math)
     if hp.matrix_optimizer != "normuon":
-        return load_companion("track3.py").make_optimizer(hp.matrix_optimizer, matrix_table, hp), adam
-    return NorMuon(matrix_table, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2, polar=backend.polar,
-                   compile_math=backend.compile_math, wire_dtype=torch.bfloat16 if backend.bf16_params else None), adam
+        return (load_companion("track3.py").make_optimizer(hp.matrix_optimizer, matrix_table, hp),
+                adam)
+    return NorMuon(matrix_table, hp.muon_lr, hp.muon_wd, hp.muon_momentum[0], hp.muon_beta2,
+                   polar=backend.polar, compile_math=backend.compile_math,
+                   wire_dtype=torch.bfloat16 if backend.bf16_params else None), adam
 
 
 def step_optimizers(plan, matrix_opt, adam):
-    """The matrix optimizer every step; DistAdam at the StepPlan's Adam steps (odd steps: its gradients accumulate
-    over two steps), untying the embedding from the head after the step the plan says. Every reduce-scatter starts first
-    (DistAdam's small ones, then the matrix optimizer's, smallest group first); then the matrix
-    optimizer's updates, each group's overlapping the later groups' reductions; then DistAdam's,
-    overlapping the matrix optimizer's all-gathers."""
+    """The matrix optimizer every step; DistAdam at the StepPlan's Adam steps (odd steps: its
+    gradients accumulate over two), untying the embedding from the head after the step the plan
+    says. Every reduce-scatter starts first (DistAdam's small ones, then the matrix optimizer's,
+    smallest group first); then the matrix optimizer's updates, each overlapping the later groups'
+    reductions; then DistAdam's, overlapping the matrix optimizer's all-gathers."""
     optimizers = ([adam] if plan.adam_step else []) + [matrix_opt]
     for optimizer in optimizers:
         optimizer.reduce_grads()
@@ -2534,17 +2583,17 @@ def step_optimizers(plan, matrix_opt, adam):
 class Stage(NamedTuple):
     """One stage of the run: the thirds of the scheduled steps (0-2), then the extension (3)."""
     first_step: int
-    end_step: int  # the next stage's first step (first_step == end_step: an empty stage of a very short run)
+    end_step: int  # the next stage's first step (== first_step: an empty stage of a very short run)
     batch_tokens: int
     max_seq_len: int  # the longest document piece
-    window_blocks: tuple  # (short, long) attention windows in blocks: short = long // 2, as in the reference
+    window_blocks: tuple  # (short, long) attention windows in blocks: short = long // 2, as #89
     lr_multiplier: float  # before the cooldown
-    mtp_start: tuple  # loss weights of the next 3 tokens at the first step, linear to mtp_end (the extension: flat)
+    mtp_start: tuple  # next 3 tokens' loss weights at first_step, to mtp_end (extension: flat)
     mtp_end: tuple
 
 
 def stage_ends(hp):
-    """Where the thirds end: round(n k / 3) with k / 3 summed in floats, as the reference computes them."""
+    """Where the thirds end: round(n k / 3) with k / 3 summed in floats, as the reference does."""
     n, ends, fraction = hp.num_scheduled_iterations, [], 0.0
     for _ in range(2):
         fraction += 1 / 3
@@ -2560,9 +2609,10 @@ def stages(hp):
     mtp_end = [hp.mtp_weights_end[MTP_HORIZON * k: MTP_HORIZON * (k + 1)] for k in range(3)]
     longs = (*hp.window_blocks, hp.extension_window_blocks)
     return [Stage(bounds[k], bounds[k + 1], (*hp.batch_sizes, hp.batch_sizes[-1])[k],
-                  hp.first_stage_max_seq_len if k == 0 and hp.first_stage_max_seq_len else hp.max_seq_len,
-                  (longs[k] // 2, longs[k]), (*hp.lr_multipliers, hp.lr_multipliers[-1])[k],
-                  (*mtp_start, mtp_end[-1])[k], (*mtp_end, mtp_end[-1])[k]) for k in range(4)]
+                  hp.first_stage_max_seq_len if k == 0 and hp.first_stage_max_seq_len
+                  else hp.max_seq_len, (longs[k] // 2, longs[k]),
+                  (*hp.lr_multipliers, hp.lr_multipliers[-1])[k], (*mtp_start, mtp_end[-1])[k],
+                  (*mtp_end, mtp_end[-1])[k]) for k in range(4)]
 
 
 class StepPlan(NamedTuple):
@@ -2572,8 +2622,8 @@ class StepPlan(NamedTuple):
     batch_tokens: int
     max_seq_len: int  # the longest document piece
     windows: tuple  # (short, long) attention windows in blocks
-    window_tensor: Tensor | None  # the same on the run's device (the compiled model takes windows as data)
-    val_window_tensor: Tensor | None  # the windows a validation at this step uses: the final validation's at the end
+    window_tensor: Tensor | None  # the same on the run's device (the compiled model takes data)
+    val_window_tensor: Tensor | None  # a validation's windows at this step (the end: the final's)
     lr_multiplier: float
     momentum: float  # NorMuon's
     mtp_weights: Tensor | None  # loss weights of the next 3 tokens (None: the next-token loss)
@@ -2582,51 +2632,56 @@ class StepPlan(NamedTuple):
 
 
 class Schedule:
-    """The run's schedule, built once from the flags: its Stages, and at(step), the StepPlan of a step. The float
-    expressions follow the reference's schedule functions operation for operation (bit-identical values). With a
-    device, every window pair and the multi-token weights of every step are device tensors made here, once, so no
-    step copies them and no window change recompiles (without one, at() has no window tensors and makes the
-    multi-token weights on the CPU)."""
+    """The run's schedule, built once from the flags: its Stages, and at(step), a step's StepPlan.
+    With a device, every window pair and every step's multi-token weights are device tensors made
+    here once, so no step copies them and no window change recompiles (without one, at() has no
+    window tensors and makes the multi-token weights on the CPU)."""
 
     def __init__(self, hp, device=None):
         self.hp, self.stages = hp, stages(hp)
         self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
-        # the first odd step of --untie_stage: an Adam step, which still updates the embedding and head tied
+        # the first odd step of --untie_stage: an Adam step, still updating embedding and head tied
         self.untie_step = None if hp.untie_stage < 0 else self.stages[hp.untie_stage].first_step | 1
-        # the final validation widens only the long window (no YaRN); the short one stays at the extension's
+        # the final validation widens only the long window (no YaRN); the short one stays the
+        # extension's
         self.final_windows = (hp.extension_window_blocks // 2, hp.final_val_window_blocks)
-        self.multi_token = any(w for k, w in enumerate(hp.mtp_weights_start + hp.mtp_weights_end) if k % MTP_HORIZON)
+        self.multi_token = any(w for k, w in enumerate(hp.mtp_weights_start + hp.mtp_weights_end)
+                               if k % MTP_HORIZON)
         self._on_device, self._mtp = {}, None
         if device is not None:
-            self._on_device = {pair: torch.tensor(pair, dtype=torch.int32, device=device) for pair in self.window_pairs()}
+            self._on_device = {pair: torch.tensor(pair, dtype=torch.int32, device=device)
+                               for pair in self.window_pairs()}
             if self.multi_token:
-                self._mtp = torch.tensor([self.mtp_weights(step) for step in range(self.total_steps + 1)], device=device)
+                self._mtp = torch.tensor([self.mtp_weights(step)
+                                          for step in range(self.total_steps + 1)], device=device)
 
     def window_pairs(self):
         """{(short, long)} of every window pair the run trains or validates with."""
         return {stage.window_blocks for stage in self.stages} | {self.final_windows}
 
     def stage_index(self, step):
-        """0, 1, 2 for the thirds of the scheduled steps, 3 for the extension (and the final step)."""
+        """0, 1, 2 for the thirds of the scheduled steps, 3 for the extension (and final step)."""
         return next((k for k, stage in enumerate(self.stages[:3]) if step < stage.end_step), 3)
 
     def stage_first_steps(self):
         """The first step of every stage that has steps (what the compile warm-up visits)."""
-        return sorted({stage.first_step for stage in self.stages if stage.first_step < stage.end_step})
+        return sorted({stage.first_step for stage in self.stages
+                       if stage.first_step < stage.end_step})
 
     def lr_multiplier(self, step):
         """The stage's multiplier (switching with the batch size), then a linear cooldown from step
-        int(n (1 - cooldown_frac)) to final_lr_multiplier at step n, which also holds during the extension."""
+        int(n (1 - cooldown_frac)) to final_lr_multiplier at step n, held through the extension."""
         hp, n = self.hp, self.hp.num_scheduled_iterations
         multiplier = self.stages[self.stage_index(step)].lr_multiplier
         cooldown_start = int(n * (1 - hp.cooldown_frac))
         if step >= cooldown_start:
-            t = min(1.0, (step - cooldown_start) / (n - cooldown_start)) if n > cooldown_start else 1.0
+            t = (min(1.0, (step - cooldown_start) / (n - cooldown_start)) if n > cooldown_start
+                 else 1.0)
             multiplier = multiplier * (1 - t) + hp.final_lr_multiplier * t
         return multiplier
 
     def momentum(self, step):
-        """NorMuon's momentum: linear warm-up from start to end value; back to the start value over the final steps."""
+        """NorMuon's momentum: linear warm-up from start to end value, back over the final steps."""
         hp = self.hp
         low, high = hp.muon_momentum
         cooldown_start = self.total_steps - hp.muon_momentum_cooldown_steps
@@ -2637,7 +2692,7 @@ class Schedule:
         return high
 
     def mtp_weights(self, step):
-        """The loss weights of the next 3 tokens at `step`: linear within each stage from its start to its end
+        """The next 3 tokens' loss weights at `step`: linear in each stage from its start to its end
         values; the extension (and the final step) keep the last stage's end values."""
         stage = self.stages[self.stage_index(step)]
         if stage.first_step == self.hp.num_scheduled_iterations:
@@ -2650,16 +2705,17 @@ class Schedule:
         windows = self.stages[stage].window_blocks
         val_windows = self.final_windows if step == self.total_steps else windows
         adam_step = step % 2 == 1
-        mtp = None if not self.multi_token else torch.tensor(self.mtp_weights(step)) if self._mtp is None else \
-            self._mtp[step]
-        return StepPlan(step, stage, self.stages[stage].batch_tokens, self.stages[stage].max_seq_len, windows,
-                        self._on_device.get(windows), self._on_device.get(val_windows), self.lr_multiplier(step),
+        mtp = None if not self.multi_token else torch.tensor(self.mtp_weights(step)) \
+            if self._mtp is None else self._mtp[step]
+        return StepPlan(step, stage, self.stages[stage].batch_tokens,
+                        self.stages[stage].max_seq_len, windows, self._on_device.get(windows),
+                        self._on_device.get(val_windows), self.lr_multiplier(step),
                         self.momentum(step), mtp, adam_step, adam_step and step == self.untie_step)
 
 
 def start_step(plan, model, *optimizers):
-    """Set what changes with the step: each optimizer's lr multiplier and momentum (set_schedule) and YaRN on the
-    model's rotary embedding."""
+    """Set what changes with the step: each optimizer's lr multiplier and momentum (set_schedule),
+    and YaRN on the model's rotary embedding."""
     for optimizer in optimizers:
         optimizer.set_schedule(plan.lr_multiplier, plan.momentum)
     model.follow_window(plan.windows)
@@ -2671,43 +2727,46 @@ def start_step(plan, model, *optimizers):
 
 def finite_validation_loss(value):
     if not math.isfinite(value):
-        raise FloatingPointError(f"validation loss is {value}; lower the learning rates (--muon_lr/--adam_lr) or "
-                                 f"check the data, then rerun")
+        raise FloatingPointError(f"validation loss is {value}; lower the learning rates "
+                                 f"(--muon_lr/--adam_lr) or check the data, then rerun")
     return value
 
 
 def step_line(step, total_steps, ms, val_loss=None):
     val = f" val_loss:{val_loss:.4f}" if val_loss is not None else ""
-    return f"step:{step}/{total_steps}{val} train_time:{ms:.0f}ms step_avg:{ms / max(step, 1):.2f}ms"
+    return (f"step:{step}/{total_steps}{val} train_time:{ms:.0f}ms "
+            f"step_avg:{ms / max(step, 1):.2f}ms")
 
 
 def open_data(hp, rank, world_size, device, accum, log):
-    """(training loader, validation tokens, validation files), every shard checked before any work."""
+    """(training loader, validation tokens, validation files); all shards checked before work."""
     if hp.micro_batch_tokens:
         log(f"micro_batch_tokens {hp.micro_batch_tokens}: micro-steps of "
-            f"{describe_pieces(micro_step_pieces(hp, world_size, accum))} (documents in order, at most "
-            f"{hp.micro_batch_tokens} tokens a piece, with the previous document and 2 targets of context, padded)")
+            f"{describe_pieces(micro_step_pieces(hp, world_size, accum))} (documents in order, "
+            f"at most {hp.micro_batch_tokens} tokens a piece, with the previous document and 2 "
+            f"targets of context, padded)")
     train_pattern, val_pattern, data_description = resolve_data(hp, rank)
     log(f"data: {data_description}")
     val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
-    loader = TrainLoader(train_pattern, rank, world_size, device, hp.cycle_data, vocab_size=hp.vocab_size,
-                         bigram_rows=hp.bigram_vocab_size)
-    per_micro_step = max(hp.batch_sizes) // accum + world_size  # one micro-step comes from one shard
+    loader = TrainLoader(train_pattern, rank, world_size, device, hp.cycle_data,
+                         vocab_size=hp.vocab_size, bigram_rows=hp.bigram_vocab_size)
+    per_micro_step = max(hp.batch_sizes) // accum + world_size  # a micro-step is from one shard
     if per_micro_step > max(loader.shard_tokens):
-        raise DataError(f"--batch_sizes {max(hp.batch_sizes)} takes {per_micro_step} tokens per micro-step from one "
-                        f"shard, but the largest training shard holds {max(loader.shard_tokens)}; use smaller batches "
-                        f"or larger shards")
+        raise DataError(f"--batch_sizes {max(hp.batch_sizes)} takes {per_micro_step} tokens per "
+                        f"micro-step from one shard, but the largest training shard holds "
+                        f"{max(loader.shard_tokens)}; use smaller batches or larger shards")
     if not hp.cycle_data:
         check_shards_last(hp, loader.files, loader.shard_tokens, world_size, accum)
     return loader, val_tokens, sorted(glob.glob(val_pattern))
 
 
 def start_model(hp, backend, device, world_size):
-    """(model, its forward: compiled on CUDA) from --seed, the same on every rank (rank 0's weights and
-    buffers, such as the bigram signs, are broadcast)."""
+    """(model, its forward: compiled on CUDA) from --seed, the same on every rank (rank 0's weights
+    and buffers, such as the bigram signs, are broadcast)."""
     torch.manual_seed(hp.seed)
     model = GPT(hp, backend, device)
-    if world_size > 1:  # what a checkpoint holds; the FP8 MLP copies (gloo has no float8) are made again
+    # what a checkpoint holds; the FP8 MLP copies (gloo has no float8) are made again
+    if world_size > 1:
         for t in model.state_dict().values():
             if isinstance(t, Tensor):
                 dist.broadcast(t, 0)
@@ -2725,7 +2784,7 @@ def synchronize(device):
 
 
 class TrainClock:
-    """Training time in ms; it runs only during training steps (synchronized before each reading)."""
+    """Training time in ms; it runs only during training steps (synchronized before each read)."""
 
     def __init__(self, device):
         self.device, self.ms, self.started = device, 0.0, None
@@ -2751,29 +2810,34 @@ class Trainer:
     """Holds the run's moving parts: setup in __init__, warm_up(), then run(), the timed loop."""
 
     def __init__(self, hp, argv=(), stop=None, lifetime=None):
-        """`lifetime` (an ExitStack: main's) holds the run lock until the process is done with the run."""
+        """`lifetime` (an ExitStack: main's) holds the run lock until the process is done."""
         self.hp, self.stop = hp, stop or StopSignals()  # (one not entered never hears a signal)
         self.rank, self.world_size, self.device = setup_distributed(hp)
         self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
         self.run_id = hp.run_id or str(uuid.uuid4())
         self.checkpoint_folder = Path(hp.log_dir) / "checkpoints" / self.run_id
         self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0, hp)
-        with failing_together(self.device):  # everything that can be wrong with the input, before any work
+        # everything that can be wrong with the input, before any work
+        with failing_together(self.device):
             self.accum = grad_accum_steps(hp, self.world_size)
             check_batch_splits(hp, self.world_size, self.accum)
-            if self.rank == 0 and hp.run_id and lifetime is not None:  # (a fresh uuid needs no lock)
-                lifetime.enter_context(RunLock(self.log.path.parent / f"{self.run_id}.lock", hp.log_dir))
-            continuing = self.rank == 0 and check_outputs(hp, self.log.path, self.checkpoint_folder, self.total_steps)
+            if self.rank == 0 and hp.run_id and lifetime is not None:  # (no lock for a fresh uuid)
+                lifetime.enter_context(RunLock(self.log.path.parent / f"{self.run_id}.lock",
+                                               hp.log_dir))
+            continuing = self.rank == 0 and check_outputs(hp, self.log.path, self.checkpoint_folder,
+                                                          self.total_steps)
             log_arguments(self.log, argv, hp, continuing)
             self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
-            self.loader, self.val_tokens, val_files = open_data(hp, self.rank, self.world_size, self.device, self.accum,
-                                                                self.log)
-            self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder, self.log, continuing)
+            self.loader, self.val_tokens, val_files = open_data(hp, self.rank, self.world_size,
+                                                                self.device, self.accum, self.log)
+            self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder,
+                                                                      self.log, continuing)
             if self.resume_from is not None:
                 check_resumable(self.resume_path, self.resume_from, hp, self.total_steps)
-                check_same_shards(self.resume_path, self.resume_from["loader"], self.loader, hp.force, self.log)
-            # --ngram_prior's counts, on the clock (prior_ms joins the training time), and the device's paths
-            # (FP8 or not, the prior in the CPU loss), decided once
+                check_same_shards(self.resume_path, self.resume_from["loader"], self.loader,
+                                  hp.force, self.log)
+            # --ngram_prior's counts, on the clock (prior_ms joins the training time), and the
+            # device's paths (FP8 or not, the prior in the CPU loss), decided once
             self.prior, self.prior_ms = self.count_prior() if hp.ngram_prior else (None, 0.0)
             self.backend = backend_for(hp, self.device, self.accum, prior=self.prior)
         check_ranks_agree(rank_settings(hp, self.device, self.loader.files, val_files,
@@ -2784,12 +2848,15 @@ class Trainer:
         self.fp8_mlp = self.model.fp8_mlp if self.model.mlp_in_fp8 else None
         self.matrix_opt, self.adam = make_optimizers(self.model, hp, self.backend)
         self.schedule = Schedule(hp, self.device)
-        self.val_context = receptive_field(self.model.plan, self.schedule.window_pairs(), hp.window_block_tokens)
+        self.val_context = receptive_field(self.model.plan, self.schedule.window_pairs(),
+                                           hp.window_block_tokens)
         val_chunk = tokens_per_rank(hp.val_batch_size, self.world_size, self.accum)
         if val_chunk > piece_cap(hp):
-            self.log(f"validation: forwards of {val_chunk:,} tokens in pieces of "
-                     f"{validation_piece_length(val_chunk, hp.micro_batch_tokens, self.val_context):,} positions (at most "
-                     f"{hp.micro_batch_tokens} tokens, after {self.val_context:,} of context: the receptive field)")
+            self.log(
+                f"validation: forwards of {val_chunk:,} tokens in pieces of "
+                f"{validation_piece_length(val_chunk, hp.micro_batch_tokens, self.val_context):,} "
+                f"positions (at most {hp.micro_batch_tokens} tokens, after {self.val_context:,} of "
+                f"context: the receptive field)")
         self.stats, self.clock = RunStats(self.device), TrainClock(self.device)
         self.profiler = StepProfiler(hp, self.run_id, self.total_steps, self.log)
         self.step, self.tokens_seen = 0, 0
@@ -2799,7 +2866,8 @@ class Trainer:
     def count_prior(self):
         """(--ngram_prior's NgramPrior from the training shards, the ms it took)."""
         began = time.perf_counter()
-        prior = load_companion("ngram_prior.py").count_ngram_prior(self.hp, self.loader.files, self.log)
+        prior = load_companion("ngram_prior.py").count_ngram_prior(self.hp, self.loader.files,
+                                                                   self.log)
         return prior, 1000 * (time.perf_counter() - began)
 
     def begin_step(self, step):
@@ -2809,58 +2877,64 @@ class Trainer:
         return plan
 
     def train_step(self, plan):
-        """One optimizer step as `plan` (begin_step) says: `accum` micro-batches forward and backward (each in
-        pieces of at most --micro_batch_tokens), the optimizers. Returns ([the step's loss, the ranks that got a
-        stop signal] as a device tensor, the async all-reduce that sums it over the ranks, or None alone); no
-        host-device synchronization happens inside."""
+        """One optimizer step as `plan` (begin_step) says: `accum` micro-batches forward and
+        backward (in pieces of at most --micro_batch_tokens), the optimizers. Returns ([the step's
+        loss, the ranks that got a stop signal] as a device tensor, the async all-reduce summing it
+        over the ranks, or None alone); no host-device synchronization happens inside."""
         rank_tokens = tokens_per_rank(plan.batch_tokens, self.world_size, self.accum)
         self.model.train()
         totals = torch.zeros(2, device=self.device)
         total, stop_votes = totals.unbind()
         for _ in range(self.accum):
-            # the training loss is a sum over tokens, so the pieces' losses add up to the micro-step's
+            # the training loss is a sum over tokens: the pieces' losses add up to the micro-step's
             for batch in self.loader.next_pieces(rank_tokens, plan.max_seq_len, piece_cap(self.hp)):
-                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, plan.window_tensor,
-                                    batch.bigram_ids, plan.mtp_weights, batch.positions, batch.loss_mask) / self.accum
+                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens,
+                                    plan.window_tensor, batch.bigram_ids, plan.mtp_weights,
+                                    batch.positions, batch.loss_mask) / self.accum
                 loss.backward()
                 total += loss.detach()
         if self.stop.received:
             stop_votes += 1
         step_optimizers(plan, self.matrix_opt, self.adam)
         if self.fp8_mlp is not None:
-            self.fp8_mlp.quantize(self.model.layers, bootstrap=plan.step < FP8MLPWeights.BOOTSTRAP_STEPS)
+            self.fp8_mlp.quantize(self.model.layers,
+                                  bootstrap=plan.step < FP8MLPWeights.BOOTSTRAP_STEPS)
         self.tokens_seen += rank_tokens * self.accum * self.world_size
-        # one all-reduce, after the optimizers' collectives (it would hold them up before): a non-finite
-        # loss or a stop signal on any rank stops every rank at the same step
+        # one all-reduce, after the optimizers' collectives (before, it would hold them up): a
+        # non-finite loss or a stop signal on any rank stops every rank at the same step
         return totals, dist.all_reduce(totals, async_op=True) if self.world_size > 1 else None
 
     @torch.no_grad()
     def validate(self, windows):
-        """Mean loss over the validation tokens, all ranks together, with the given windows (a StepPlan's tensor)."""
+        """Mean loss over the validation tokens, all ranks together, with a StepPlan's `windows`."""
         hp = self.hp
         self.model.eval()
         with self.stats.eval_memory():
             if hp.micro_batch_tokens:
                 losses = [self.validation_loss(pieces, windows) for pieces in validation_pieces(
-                    self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size, self.accum,
-                    self.device, hp.micro_batch_tokens, self.val_context, hp.bigram_vocab_size)]
+                    self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank, self.world_size,
+                    self.accum, self.device, hp.micro_batch_tokens, self.val_context,
+                    hp.bigram_vocab_size)]
             else:
-                losses = [self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids)
-                          for batch in validation_batches(self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank,
-                                                          self.world_size, self.accum, self.device, hp.bigram_vocab_size)]
+                losses = [self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows,
+                                       batch.bigram_ids)
+                          for batch in validation_batches(
+                              self.val_tokens, hp.val_tokens, hp.val_batch_size, self.rank,
+                              self.world_size, self.accum, self.device, hp.bigram_vocab_size)]
             loss = torch.stack(losses).mean()
         if self.world_size > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         return finite_validation_loss(loss.item())
 
     def validation_loss(self, pieces, windows):
-        """Mean loss of one validation forward run as `pieces` (validation_pieces): their summed losses over its
-        tokens, or the uncut forward's own mean."""
+        """Mean loss of one validation forward run as `pieces` (validation_pieces): their summed
+        losses over its tokens, or the uncut forward's own mean."""
         if len(pieces) == 1 and pieces[0].loss_mask is None:
             batch = pieces[0]
-            return self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows, batch.bigram_ids)
-        total = sum(self.forward(p.inputs, p.targets, p.cu_seqlens, windows, p.bigram_ids, positions=p.positions,
-                                 loss_mask=p.loss_mask) for p in pieces)
+            return self.forward(batch.inputs, batch.targets, batch.cu_seqlens, windows,
+                                batch.bigram_ids)
+        total = sum(self.forward(p.inputs, p.targets, p.cu_seqlens, windows, p.bigram_ids,
+                                 positions=p.positions, loss_mask=p.loss_mask) for p in pieces)
         return total / tokens_per_rank(self.hp.val_batch_size, self.world_size, self.accum)
 
     def snapshot(self):
@@ -2868,10 +2942,12 @@ class Trainer:
         self.matrix_opt.exact_weights()
         return dict(
             step=self.step, training_time_ms=self.clock.ms, tokens_seen=self.tokens_seen,
-            model={k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in self.model.state_dict().items()},
-            matrix=self.matrix_opt.state_dict(), adam=self.adam.state_dict(), loader=self.loader.state_dict(),
-            rng=rng_state(self.device),
-            script_sha256=script_sha256(self.hp), world_size=self.world_size, hyperparameters=dataclasses.asdict(self.hp))
+            model={k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                   for k, v in self.model.state_dict().items()},
+            matrix=self.matrix_opt.state_dict(), adam=self.adam.state_dict(),
+            loader=self.loader.state_dict(), rng=rng_state(self.device),
+            script_sha256=script_sha256(self.hp), world_size=self.world_size,
+            hyperparameters=dataclasses.asdict(self.hp))
 
     def restore(self, snap):
         self.model.load_state_dict(snap["model"])
@@ -2879,10 +2955,11 @@ class Trainer:
         self.adam.load_state_dict(snap["adam"])
         self.loader.load_state_dict(snap["loader"])
         set_rng_state(snap["rng"], self.device)
-        self.step, self.clock.ms, self.tokens_seen = snap["step"], snap["training_time_ms"], snap["tokens_seen"]
+        self.step, self.clock.ms, self.tokens_seen = (snap["step"], snap["training_time_ms"],
+                                                      snap["tokens_seen"])
         self.matrix_opt.zero_grad()
         self.adam.zero_grad()
-        if self.fp8_mlp is not None:  # the FP8 copies of the restored weights, at the restored scales
+        if self.fp8_mlp is not None:  # FP8 copies of the restored weights, at the restored scales
             self.fp8_mlp.requantize(self.model.layers)
 
     def resume(self, path, snap):
@@ -2890,23 +2967,26 @@ class Trainer:
             remove_stale_checkpoint_writes(Path(path).parent, self.log)
         try:
             self.restore(snap)
-        except (ValueError, RuntimeError) as e:  # a model or optimizer state of another shape (possible with --force)
-            raise ConfigError(f"{path}: {str(e).splitlines()[0]}; resume it with the script that wrote it") from None
+        except (ValueError, RuntimeError) as e:  # a state of another shape (possible with --force)
+            raise ConfigError(f"{path}: {str(e).splitlines()[0]}; resume it with the script that "
+                              f"wrote it") from None
         moved = f" (written by {snap['world_size']} processes, continued on {self.world_size})" \
             if snap["world_size"] != self.world_size else ""
         self.log(f"resumed from {path} at step {self.step}{moved}")
         if snap["hyperparameters"].get("micro_batch_tokens", 0) != self.hp.micro_batch_tokens:
-            self.log(f"--micro_batch_tokens changes from {snap['hyperparameters'].get('micro_batch_tokens', 0)} (the "
-                     f"checkpoint's run) to {self.hp.micro_batch_tokens}: the same data from here on, in other pieces")
+            self.log(f"--micro_batch_tokens changes from "
+                     f"{snap['hyperparameters'].get('micro_batch_tokens', 0)} (the checkpoint's "
+                     f"run) to {self.hp.micro_batch_tokens}: the same data from here on, in other "
+                     f"pieces")
 
     def checkpoint(self, tag, required=False):
-        """Write a checkpoint (collective; rank 0 writes) and return its path (None elsewhere). A failed
-        periodic write only warns: training goes on and the earlier checkpoints stay; a failed required
-        write (final, preemption) fails on every rank."""
+        """Write a checkpoint (collective; rank 0 writes) and return its path (None elsewhere). A
+        failed periodic write only warns (training goes on, earlier checkpoints stay); a failed
+        required write (final, preemption) fails on every rank."""
         with failing_together(self.device, during=f"the checkpoint {tag}"):
             snap = self.snapshot()
-            return write_checkpoint(self.checkpoint_folder / f"{tag}.pt", snap, required, self.log) \
-                if self.rank == 0 else None
+            return write_checkpoint(self.checkpoint_folder / f"{tag}.pt", snap, required,
+                                    self.log) if self.rank == 0 else None
 
     def warm_up(self):
         """Compile every batch-size/window variant and the validation pass, then undo it all."""
@@ -2926,17 +3006,19 @@ class Trainer:
         self.log(step_line(step, self.total_steps, ms, val_loss))
 
     def log_pieces(self, stage):
-        """The padding of the pieces a stage's micro-steps ran as, and the documents cut (longer than a piece)."""
+        """The padding of the pieces a stage's micro-steps ran as, and the documents cut (longer
+        than a piece)."""
         if self.loader.piece_counts[1]:
-            self.log(pieces_line(stage, *map(int, self.loader.piece_counts), self.hp.micro_batch_tokens))
+            self.log(pieces_line(stage, *map(int, self.loader.piece_counts),
+                                 self.hp.micro_batch_tokens))
         self.loader.piece_counts[:] = 0
 
     def stop_with_checkpoint(self):
-        """End the run at a stop signal's request, at the step every rank decided on: checkpoint, raise."""
+        """End the run at a stop signal's request, at a step all ranks chose: checkpoint, raise."""
         path = self.checkpoint(f"step_{self.step:06d}", required=True)
         who = self.stop.received or "a signal to another process"
-        raise Preempted(f"preempted at step {self.step} by {who}, checkpoint {path}; continue with --resume auto "
-                        f"--run_id {self.run_id}")
+        raise Preempted(f"preempted at step {self.step} by {who}, checkpoint {path}; continue with "
+                        f"--resume auto --run_id {self.run_id}")
 
     def run(self):
         hp = self.hp
@@ -2975,7 +3057,8 @@ class Trainer:
         loss_check.finish()
         if hp.save_checkpoint:
             self.checkpoint("final", required=True)
-        for line in self.stats.summary(self.model, hp, self.tokens_seen, self.clock.ms, self.world_size):
+        for line in self.stats.summary(self.model, hp, self.tokens_seen, self.clock.ms,
+                                       self.world_size):
             self.log(line)
         self.loader.close()
         return val_losses
