@@ -1141,11 +1141,24 @@ class GPT(nn.Module):
             p.data = p.data.to(torch.bfloat16)
         if device is not None:
             self.to(device)
-        if self.mlp_in_fp8:
-            self.fp8_mlp.quantize(self.layers, bootstrap=True)
+        self.refresh_fp8_mlp(step=0)
+
+    def refresh_fp8_mlp(self, step=None):
+        """The FP8 MLP's copies of the current weights, their one writer: after step `step`'s
+        optimizer step (bootstrap scaling in the first steps), or (None) at the scales in the
+        buffers, after a broadcast or a restore. Nothing without the FP8 MLP."""
+        if not self.mlp_in_fp8:
+            return
+        if step is None:
+            self.fp8_mlp.requantize(self.layers)
+        else:
+            self.fp8_mlp.quantize(self.layers, bootstrap=step < FP8MLPWeights.BOOTSTRAP_STEPS)
 
     def param_table(self):
         """[(parameter, ParamSpec)] of every parameter in model order: what the optimizers train."""
+        unknown = [name for name, _ in self.named_parameters() if name not in self.specs]
+        if unknown:
+            raise KeyError(f"parameters without a ParamSpec (param_spec names every parameter): {unknown}")
         return [(p, self.specs[name]) for name, p in self.named_parameters()]
 
     def init_embeddings(self, hp):
@@ -2770,8 +2783,7 @@ def start_model(hp, backend, device, world_size):
         for t in model.state_dict().values():
             if isinstance(t, Tensor):
                 dist.broadcast(t, 0)
-        if model.mlp_in_fp8:
-            model.fp8_mlp.requantize(model.layers)
+        model.refresh_fp8_mlp()
     if device.type == "cuda" and hp.compile:
         torch._dynamo.config.cache_size_limit = 64
         return model, torch.compile(model, dynamic=False, fullgraph=True)
@@ -2845,7 +2857,6 @@ class Trainer:
         for warning in restart_warnings(hp):
             self.log(f"warning: {warning}")
         self.model, self.forward = start_model(hp, self.backend, self.device, self.world_size)
-        self.fp8_mlp = self.model.fp8_mlp if self.model.mlp_in_fp8 else None
         self.matrix_opt, self.adam = make_optimizers(self.model, hp, self.backend)
         self.schedule = Schedule(hp, self.device)
         self.val_context = receptive_field(self.model.plan, self.schedule.window_pairs(),
@@ -2896,9 +2907,7 @@ class Trainer:
         if self.stop.received:
             stop_votes += 1
         step_optimizers(plan, self.matrix_opt, self.adam)
-        if self.fp8_mlp is not None:
-            self.fp8_mlp.quantize(self.model.layers,
-                                  bootstrap=plan.step < FP8MLPWeights.BOOTSTRAP_STEPS)
+        self.model.refresh_fp8_mlp(plan.step)
         self.tokens_seen += rank_tokens * self.accum * self.world_size
         # one all-reduce, after the optimizers' collectives (before, it would hold them up): a
         # non-finite loss or a stop signal on any rank stops every rank at the same step
@@ -2959,8 +2968,7 @@ class Trainer:
                                                       snap["tokens_seen"])
         self.matrix_opt.zero_grad()
         self.adam.zero_grad()
-        if self.fp8_mlp is not None:  # FP8 copies of the restored weights, at the restored scales
-            self.fp8_mlp.requantize(self.model.layers)
+        self.model.refresh_fp8_mlp()  # at the restored scales
 
     def resume(self, path, snap):
         if self.rank == 0:

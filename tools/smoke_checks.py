@@ -690,7 +690,7 @@ class RecordRun:
             eager_model = tg.GPT(hp, trainer.backend._replace(attention=other), self.device).train()
         eager_model.load_state_dict(model.state_dict())
         if eager_model.mlp_in_fp8:  # the FP8 copies of these weights, at the loaded scales
-            eager_model.fp8_mlp.requantize(eager_model.layers)
+            eager_model.refresh_fp8_mlp()
         start = time.perf_counter()
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
