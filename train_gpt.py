@@ -3073,8 +3073,7 @@ class Trainer:
 
 
 # ==============================================================================================
-# The fence: the recipe is above. Below: the run's bookkeeping (the CLI, checks, log, checkpoints,
-# resume, signals, main()), then the CPU fallbacks.
+# The fence: the recipe is above; below, the run's bookkeeping, main() and the CPU fallbacks.
 # ==============================================================================================
 
 
@@ -3092,16 +3091,14 @@ def parse_bool(text):
 
 
 def build_arg_parser(prog="train_gpt.py", hp_class=None):
-    """--preset and one flag per field of `hp_class` (Hyperparameters, or track 3's), grouped by
-    sections."""
+    """--preset and one flag per field of `hp_class` (Hyperparameters or track 3's), in sections."""
     hp_class = hp_class or Hyperparameters
     sections = {**HP_SECTIONS, **getattr(sys.modules[hp_class.__module__], "HP_SECTIONS", {})}
     parser = argparse.ArgumentParser(
         prog=prog, allow_abbrev=False,  # --num_layer must not silently mean --num_layers
         description="Train the speedrun GPT. Every field of Hyperparameters is a flag; the "
                     "--preset's values are applied first, then the flags. Track 3's optimizers add "
-                    "their flags with --matrix_optimizer NAME (see docs/track3.md).",
-    )
+                    "their flags with --matrix_optimizer NAME (see docs/track3.md).")
     hint = ("" if hp_class is not Hyperparameters
             else "; track 3's flags need --matrix_optimizer NAME")
 
@@ -3109,9 +3106,7 @@ def build_arg_parser(prog="train_gpt.py", hp_class=None):
         more = hint if message.startswith("unrecognized arguments") else ""
         parser.exit(2, f"{parser.prog}: error: {message}{more} (see --help)\n")
     parser.error = one_line_error
-    # argparse reads only plain decimals like -1.5 as negative numbers; -1e-3 and -1:2 would count
-    # as flags ("expected one argument") instead of reaching the range checks with their messages
-    parser._negative_number_matcher = re.compile(r"^-\.?\d")
+    parser._negative_number_matcher = re.compile(r"^-\.?\d")  # -1e-3 and -1:2 are values, not flags
     parser.add_argument("--preset", choices=sorted(PRESETS), default="record",
                         help="named configuration (default: record)")
     parser.set_defaults(hp_class=hp_class)
@@ -3124,11 +3119,9 @@ def build_arg_parser(prog="train_gpt.py", hp_class=None):
 
 
 def flag_options(f):
-    """argparse's options for the flag of the Hyperparameters field f."""
     default = f.default
     options = dict(default=None, help=f"{f.metadata['help']} (default: {default})")
-    if isinstance(default, bool):
-        # a bare --force: true
+    if isinstance(default, bool):  # a bare --force: true
         options.update(type=parse_bool, metavar="BOOL", nargs="?", const=True)
     elif f.metadata.get("layers"):
         options.update(type=int, nargs="*", metavar="LAYER")  # no value: none
@@ -3141,8 +3134,7 @@ def flag_options(f):
 
 
 def hyperparameter_class(argv):
-    """Hyperparameters, or track 3's (with its optimizers' flags) when argv's --matrix_optimizer (or
-    its --preset's) is not normuon."""
+    """Hyperparameters, or track 3's if argv's --matrix_optimizer (or --preset's) is not normuon."""
     probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     probe.add_argument("--matrix_optimizer", nargs="?")
     probe.add_argument("--preset", nargs="?")
@@ -3153,7 +3145,6 @@ def hyperparameter_class(argv):
 
 
 def parser_for(argv, prog="train_gpt.py"):
-    """The parser of argv's flags (build_arg_parser with hyperparameter_class(argv))."""
     return build_arg_parser(prog, hyperparameter_class(argv))
 
 
@@ -3176,17 +3167,13 @@ def parse_args(argv=None):
     return hyperparameters_from(parser_for(argv).parse_args(argv))
 
 
-# Other tracks' code lives in files of its own beside this script, loaded only when a flag asks for
-# it: track3.py (--matrix_optimizer other than normuon) and ngram_prior.py (--ngram_prior above 0).
-# The log carries each file a run loads after the script (run_source).
-def companion_files(hp):
+def companion_files(hp):  # other tracks' files, loaded on a flag; logged after the script
     return (["track3.py"] * (hp.matrix_optimizer != "normuon")
             + ["ngram_prior.py"] * (hp.ngram_prior > 0))
 
 
 def load_companion(name):
-    """The module of the file `name` beside this script, imported once (it imports train_gpt: this
-    module, also when this module runs as __main__ or under another name)."""
+    """Import the file `name` beside this script once (its train_gpt: this module, however run)."""
     path = Path(__file__).with_name(name)
     module = sys.modules.get(path.stem)
     if module is None:
@@ -3202,8 +3189,7 @@ def load_companion(name):
                               f"(records.py replay writes every file of a log)") from None
     return module
 
-# (flags, test, what the test means): applied to every value of a tuple flag
-VALUE_RULES = [
+VALUE_RULES = [  # (flags, test, what the test means), applied to every value of a tuple flag
     (("val_tokens", "val_batch_size", "vocab_size", "num_layers", "num_heads", "head_dim",
       "model_dim", "num_scheduled_iterations", "batch_sizes", "max_seq_len", "grad_accum_base",
       "window_block_tokens", "final_val_window_blocks", "muon_lr", "adam_lr", "adam_eps",
@@ -3227,7 +3213,6 @@ VALUE_RULES = [
 
 
 def value_rules(hp):
-    """VALUE_RULES, and track 3's for its optimizers' fields."""
     if hp.matrix_optimizer == "normuon":
         return VALUE_RULES
     track3 = load_companion("track3.py")
@@ -3339,10 +3324,7 @@ def _parse_profile_range(text):
 
 
 def shard_fingerprint(path):
-    """(size in bytes, sha256 of the header and of 64 blocks of 4 KiB spread over the tokens), as
-    checkpoints record each training shard: a swapped shard is noticed on resume and by
-    tools/sample.py. Cheap (65 reads); an edit between the blocks of a shard over 257 KiB goes
-    unseen."""
+    """(bytes, sha256 of the header and 64 spread 4 KiB blocks): spots swaps, not small edits."""
     header_bytes = SHARD_HEADER_INTS * 4
     digest = hashlib.sha256()
     try:
@@ -3359,8 +3341,6 @@ def shard_fingerprint(path):
 
 
 def write_shard(path, tokens):
-    """Write GPT-2 token ids as a .bin shard atomically: a unique temp file in the same folder,
-    removed on failure, renamed into place on success."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
         raise DataError(f"{path}: refusing to write a {tokens.ndim}-D array of {tokens.dtype}: "
@@ -3375,13 +3355,10 @@ def write_shard(path, tokens):
 
 
 def write_atomically(path, data):
-    """Write bytes via a unique temp file next to `path`, fsync, rename: readers see the old file or
-    the new one, never a part; the temp file is removed if anything fails. The temp name records the
-    host and process, so remove_stale_temp_files can tell a killed write from a running one."""
+    """Write via a temp file beside `path` (named by host and pid), fsync, rename: never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}~{platform.node()}~{os.getpid()}~{uuid.uuid4().hex[:8]}.tmp")
-    # usual permissions, unlike mkstemp's 0600
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # not mkstemp's 0600
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -3413,8 +3390,6 @@ def remove_stale_temp_files(folder):
 
 
 def log_arguments(log, argv, hp, continuing):
-    """The run's arguments, and for a new run its hyperparameters, in the log file (not on the
-    console)."""
     log(f"{'continued by --resume auto with args' if continuing else 'args'}: "
         f"{json.dumps(list(argv))}", console=False)
     if not continuing:
@@ -3434,22 +3409,16 @@ def describe_pieces(pieces):
 
 
 def check_batch_splits(hp, world_size, accum):
-    """Every training and the validation batch splits evenly over ranks and micro-steps (else one
-    line)."""
     for b in hp.batch_sizes:
         tokens_per_rank(b, world_size, accum)
     tokens_per_rank(hp.val_batch_size, world_size, accum, what="--val_batch_size")
 
 
-# shards walked through before the first step when they hold no more (~0.2 s of reading)
-DATA_WALK_MAX_TOKENS = 1 << 26
+DATA_WALK_MAX_TOKENS = 1 << 26  # shards up to this are walked before the first step (~0.2 s)
 
 
 def check_shards_last(hp, files, shard_tokens, world_size, accum):
-    """Refuse, before the first step, training shards that run out before the last one: shards that
-    hold fewer tokens than the run takes (each micro-step its tokens and one more target per rank),
-    or, where they are few enough to read at once, the loader's own walk over their documents
-    (step_shards_run_out)."""
+    """Refuse shards too short for the run: by token count, or when small by step_shards_run_out."""
     total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
     fix = ("add training shards, shorten the run (--num_scheduled_iterations) or pass "
            "--cycle_data true")
@@ -3468,14 +3437,11 @@ def check_shards_last(hp, files, shard_tokens, world_size, accum):
 
 
 def step_shards_run_out(hp, files, world_size, accum):
-    """The first step whose micro-steps the shards cannot fill, walking their documents as
-    TrainLoader.next_pieces does (plan_pieces, from one shard to the next; nothing gathered), or
-    None if they last the run."""
+    """The first step the shards cannot fill (walked as TrainLoader.next_pieces does), or None."""
     shard, cursor, bos, size = -1, 0, np.zeros(0, dtype=np.int64), 0
     for stage in Schedule(hp).stages:
         rank_tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
-        # the documents a micro-step can need (each gives a token at least): plan_pieces sees only
-        # those, so that a call costs the micro-step's documents, not the rest of the shard's
+        # plan_pieces sees only the documents a micro-step can need (>= 1 token each): cheap calls
         window = world_size * (rank_tokens + 1) + 1
         for step in range(stage.first_step, stage.end_step):
             for _ in range(accum):
@@ -3495,34 +3461,27 @@ def step_shards_run_out(hp, files, world_size, accum):
 
 
 # ----------------------------------------------------------------------------------------------
-# Run bookkeeping: the log and run lock, checkpoints and resume checks, ranks, stop signals,
-# profiler
+# Run bookkeeping: log, run lock, checkpoints, resume checks, ranks, stop signals, profiler
 
 
 SEPARATOR = "=" * 100
 CHECKPOINT_MAGIC = b"SPEEDRUN-CKPT-1\n"
 CHECKPOINT_KEYS = {"step", "training_time_ms", "tokens_seen", "model", "matrix", "adam", "loader",
                    "rng", "script_sha256", "world_size", "hyperparameters"}
-# A run stopped by SIGTERM/SIGUSR1 after writing its checkpoint exits with EX_TEMPFAIL of sysexits.h
-# ("try again later"): not 0 (the run is not done), not 1 (a crash) or 2 (bad input).
-PREEMPTED_EXIT_CODE = 75
-# Dense bf16 peak FLOP/s assumed for MFU (vendor figures, no sparsity), by device-name substring.
+PREEMPTED_EXIT_CODE = 75  # after a stop signal's checkpoint: EX_TEMPFAIL, "try again later"
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12,
-              "4090": 165e12}
+              "4090": 165e12}  # dense bf16 FLOP/s for MFU (vendor, no sparsity), by name substring
 
 
 class RunLog:
-    """Rank 0 writes lines to stdout and logs/<run_id>.txt; other ranks stay quiet. The log starts
-    with the script, a separator, the environment (with the script's sha256, so a log whose script
-    was cut short or edited is detected) and another separator. Lines logged before open() wait in
-    memory: a run refused during its setup leaves no log, so its run id stays free."""
+    """Rank 0's lines, to stdout and logs/<run_id>.txt after the script, the environment and its
+    sha256 (between separators). Until open() lines wait: a run refused in setup leaves no log."""
 
     def __init__(self, path, enabled, hp):
         self.path, self.enabled, self.hp, self.waiting = path, enabled, hp, []
 
     def open(self, continuing=False):
-        """Create the log, exclusively (two runs never share or overwrite one), or append to it when
-        the run continues its own log (--resume auto); then write the lines that waited."""
+        """Create the log exclusively (or append, continuing it); then write the waiting lines."""
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -3536,8 +3495,7 @@ class RunLog:
                     f.write(run_source(self.hp))
                     f.write(f"{SEPARATOR}\n{environment_report()}script_sha256 "
                             f"{script_sha256(self.hp)}\n{SEPARATOR}\n")
-            except BaseException as e:  # (a full disk, a stop signal, Ctrl-C)
-                # a cut header would take the run id and record nothing
+            except BaseException as e:  # a signal or Ctrl-C too: a cut header would hold the id
                 self.path.unlink(missing_ok=True)
                 raise naming_file(e, self.path) if isinstance(e, OSError) else e
         waiting, self.waiting = self.waiting, None
@@ -3562,18 +3520,14 @@ class RunLog:
             raise naming_file(e, self.path) from None
 
     def record_ending(self, line):
-        """Append the line that ends a failed or stopped run, if the log is open and can still be
-        written."""
+        """Append the line that ends a failed or stopped run, if the log is open and writable."""
         if self.enabled and self.waiting is None:
             with contextlib.suppress(OSError):
                 self._append(line)
 
 
 class RunLock:
-    """One process at a time trains a run id: rank 0 holds an exclusive flock on
-    <log_dir>/<run_id>.lock for the run's life. The kernel drops the lock when the process dies, so
-    a lock left by a killed run is no obstacle; the file names the holder's host and pid for the one
-    refused."""
+    """One process per run id: rank 0 flocks <run_id>.lock (freed when it dies), naming its pid."""
 
     def __init__(self, path, log_dir):
         self.path, self.log_dir, self.fd, self.made = Path(path), log_dir, None, []
@@ -3592,8 +3546,7 @@ class RunLock:
                 raise ConfigError(f"the run {self.path.name[:-5]!r} is being trained by {holder} "
                                   f"(it holds {self.path}); wait for that process to end or stop "
                                   f"it, or pass another --run_id") from None
-            # the holder before us may have removed the file after we opened it: lock the one there
-            try:
+            try:  # the holder before us may have removed it since we opened it: lock the one there
                 same = os.path.samestat(os.fstat(fd), os.stat(self.path))
             except FileNotFoundError:
                 same = False
@@ -3606,8 +3559,7 @@ class RunLock:
         return self
 
     def __exit__(self, *exc):
-        # (before the lock goes: a waiting opener then retries a new file)
-        self.path.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)  # before the lock goes: a waiting opener retries
         os.close(self.fd)
         for folder in self.made:  # only folders the lock itself made, and only while empty
             with contextlib.suppress(OSError):
@@ -3615,9 +3567,7 @@ class RunLock:
 
 
 def to_console(line, stream):
-    """Print a line, flushed. A console that is gone (the terminal closed: SIGHUP; a closed pipe) is
-    let go: its file descriptor then points at the null device (so no later write or the exit's
-    flush fails: the log keeps every line)."""
+    """Print a line, flushed; a console that is gone (SIGHUP, closed pipe) becomes /dev/null."""
     try:
         print(line, file=stream, flush=True)
     except OSError:
@@ -3633,8 +3583,7 @@ def run_id_taken(path):
 
 
 def naming_file(error, path):
-    """`error` with `path` as its file name when it has none (a write to a full disk names no
-    file)."""
+    """`error` with `path` as its file name if it has none (a write to a full disk names none)."""
     return (error if error.filename or error.errno is None
             else OSError(error.errno, error.strerror, str(path)))
 
@@ -3655,13 +3604,11 @@ def environment_report():
     return "\n".join(lines) + "\n"
 
 
-# before each companion file, as #89's logs
-COMPANION_HEADER = "\n\n{dashes}\n# {name}\n{dashes}\n\n"
+COMPANION_HEADER = "\n\n{dashes}\n# {name}\n{dashes}\n\n"  # before each companion file (#89's)
 
 
 def run_source(hp):
-    """The code of a run as its log carries it (always ending with a newline): this script, then
-    each companion file the run loads (companion_files) under COMPANION_HEADER."""
+    """The code a log carries: this script, then each companion file under COMPANION_HEADER."""
     source = Path(__file__).read_text(encoding="utf-8")
     for name in companion_files(hp):
         source += COMPANION_HEADER.format(dashes="-" * 40, name=name)
@@ -3670,8 +3617,7 @@ def run_source(hp):
 
 
 def script_sha256(hp):
-    """The sha256 of the logged code: written into logs and checkpoints, checked on replay and
-    resume."""
+    """The sha256 of the logged code, in logs and checkpoints; checked on replay and resume."""
     return hashlib.sha256(run_source(hp).encode("utf-8")).hexdigest()
 
 
@@ -3714,8 +3660,7 @@ def load_checkpoint(path):
 
 
 def saved_checkpoints(folder):
-    """The checkpoints of a run's folder (step_NNNNNN.pt from --save_every or a stop signal,
-    final.pt), newest first."""
+    """A run folder's checkpoints (step_NNNNNN.pt, final.pt), newest first."""
     found = [(math.inf if m[0] == "final" else int(m[1]), path)
              for path in Path(folder).glob("*.pt")
              if (m := re.fullmatch(r"step_(\d+)|final", path.stem))]
@@ -3723,9 +3668,7 @@ def saved_checkpoints(folder):
 
 
 def newest_sound_checkpoint(folder, warn):
-    """(path, snapshot) of the newest checkpoint in `folder` that verifies, each newer one skipped
-    with a warning; (None, None) when there is none. Checkpoints that all fail to verify are an
-    error."""
+    """(path, snapshot) of the newest sound checkpoint, warning of newer ones, or (None, None)."""
     paths = saved_checkpoints(folder)
     for path in paths:
         try:
@@ -3738,8 +3681,7 @@ def newest_sound_checkpoint(folder, warn):
     return None, None
 
 
-# Settings that may differ when resuming: they do not change the training trajectory, except
-# micro_batch_tokens, which only changes the pieces micro-steps run as (resuming logs the change).
+# Flags that may change on resume: not the trajectory (--micro_batch_tokens changes only the pieces)
 RESUME_FREE_FLAGS = {"run_id", "log_dir", "save_every", "save_checkpoint", "resume", "force",
                      "profile", "cpu_threads", "val_loss_every", "warmup_steps", "device",
                      "compile", "fp8", "seed", "train_files", "val_files", "synthetic_fallback",
@@ -3756,7 +3698,6 @@ def _flags(values, names):
 
 
 def trajectory_changes(ours, theirs, free=RESUME_FREE_FLAGS):
-    """The settings, other than the `free` ones, in which two runs' hyperparameters differ."""
     return [name for name in ours if name not in free and ours[name] != theirs.get(name)]
 
 
@@ -3785,9 +3726,7 @@ def check_resumable(path, snap, hp, total_steps):
 
 
 def shard_difference(loader_state, files, fingerprints):
-    """One line naming the first of `files` whose size or sampled checksum (shard_fingerprint)
-    differs from those a checkpoint's loader state recorded for the shard of its name; None if none
-    does (or none is recorded)."""
+    """A line naming the first of `files` whose fingerprint is not the checkpoint's, or None."""
     recorded = dict(zip((Path(f).name for f in loader_state.get("files") or []),
                         loader_state.get("fingerprints") or []))
     for path, (size, digest) in zip(files, fingerprints):
@@ -3802,9 +3741,7 @@ def shard_difference(loader_state, files, fingerprints):
 
 
 def check_same_shards(path, loader_state, loader, force, log):
-    """Refuse, unless --force, to resume on a training shard that is not the one of its name the
-    checkpoint's run read (the next batches, and the --ngram_prior counted from the shards, would
-    not be that run's)."""
+    """Unless --force, refuse shards other than the checkpoint's run read by those names."""
     difference = shard_difference(loader_state, loader.files, loader.fingerprints)
     if difference and not force:
         raise DataError(f"{difference}; {path} continues only on the shards it was trained on: put "
@@ -3814,9 +3751,7 @@ def check_same_shards(path, loader_state, loader, force, log):
 
 
 def check_log_continues(path, hp, total_steps, checkpoint_folder):
-    """--resume auto with an existing log: continue it only if it is this run's own (this script,
-    the same trajectory settings and seed) and unfinished (or finished without the final.pt that
-    --save_checkpoint asks for: the run then writes it); else the run id is taken."""
+    """Only this run's own log continues: unfinished, or lacking --save_checkpoint's final.pt."""
     text = path.read_text(encoding="utf-8", errors="replace")
     head = run_source(hp) + SEPARATOR + "\n"
     if not text.startswith(head):
@@ -3846,9 +3781,7 @@ def check_log_continues(path, hp, total_steps, checkpoint_folder):
 
 
 def check_outputs(hp, log_path, checkpoint_folder, total_steps):
-    """Rank 0, before any work: the log and checkpoint folders can be written, and the run id is
-    free or (--resume auto) its log is this run's own. Returns whether the run continues that
-    log."""
+    """Rank 0's checks of the folders and the run id; returns whether the run continues its log."""
     check_writable_folder(log_path.parent, "the log folder", hp.log_dir)
     check_writable_folder(checkpoint_folder, "the checkpoint folder", hp.log_dir)
     if hp.resume != "auto" and hp.run_id and saved_checkpoints(checkpoint_folder):
@@ -3864,18 +3797,14 @@ def check_outputs(hp, log_path, checkpoint_folder, total_steps):
 
 
 def logged_checkpoints(log_path):
-    """The checkpoint files a run's log says it wrote (periodic, final, at a stop signal), oldest
-    first."""
+    """The checkpoint files a run's log says it wrote, oldest first."""
     text = Path(log_path).read_text(encoding="utf-8", errors="replace")
     return re.findall(r"^(?:saved checkpoint |preempted at step \d+ by [^,]*, checkpoint )"
                       r"(.+?\.pt)(?:;|$)", text, re.M)
 
 
 def checkpoint_to_resume(hp, checkpoint_folder, log, continuing=False):
-    """(path, snapshot) to continue from: --resume PATH, or for --resume auto the newest sound
-    checkpoint of the run; (None, None) to start at step 0. A continued log (rank 0's `continuing`)
-    that records a checkpoint when none is left is refused: starting afresh would throw the logged
-    work away."""
+    """(path, snapshot) to resume or (None, None); a continued log's lost checkpoint is refused."""
     if hp.resume != "auto":
         return (hp.resume, load_checkpoint(hp.resume)) if hp.resume else (None, None)
     path, snap = newest_sound_checkpoint(checkpoint_folder, log)
@@ -3897,8 +3826,7 @@ def checkpoint_to_resume(hp, checkpoint_folder, log, continuing=False):
 
 
 def check_writable_folder(folder, what, log_dir):
-    """Refuse, before any work, a folder the run could not write into: a path through a file or a
-    device, a symbolic link that resolves nowhere, no write permission. Creates nothing."""
+    """Refuse, creating nothing, an unwritable folder (a file on the path, dead link, no access)."""
     existing = Path(folder)
     while not existing.exists():
         if existing.is_symlink():
@@ -3914,15 +3842,12 @@ def check_writable_folder(folder, what, log_dir):
                           f"(Permission denied); pass another --log_dir")
 
 
-# Flags that may differ between the processes of one run (paths and resources of each machine); the
-# shards and the checkpoint step they lead to are compared instead.
-RANK_LOCAL_FLAGS = {"cpu_threads", "device", "log_dir", "profile", "train_files", "val_files",
-                    "resume"}
+RANK_LOCAL_FLAGS = {  # each process's own (paths, resources); shards and resume step are compared
+    "cpu_threads", "device", "log_dir", "profile", "train_files", "val_files", "resume"}
 
 
 def rank_settings(hp, device, train_files, val_files, resume_step):
-    """What every process of a run must agree on: its flags, the script, the device type, the shard
-    names, the step it resumes at."""
+    """What a run's processes must agree on: flags, script, device type, shards, resume step."""
     settings = {f"--{name}": _flag_text(value) for name, value in dataclasses.asdict(hp).items()
                 if name not in RANK_LOCAL_FLAGS}
     settings.update({"script sha256": script_sha256(hp), "device type": device.type,
@@ -3954,8 +3879,7 @@ def first_rank_difference(everyone):
 
 
 def check_ranks_agree(settings):
-    """Each node types its own command line: one all-gather at start-up, then every rank refuses the
-    same first difference from rank 0 in the same words."""
+    """Nodes type their own command lines: every rank refuses the first difference from rank 0."""
     if not dist_ready():
         return
     everyone = [None] * dist.get_world_size()
@@ -4008,8 +3932,7 @@ def env_int(name, default, minimum=0):
 
 
 def process_place():
-    """This process's place in the run from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (one
-    plain process when unset), each a number in range."""
+    """This process's place from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (unset: alone)."""
     place = ProcessPlace(env_int("RANK", 0), env_int("WORLD_SIZE", 1, 1), env_int("LOCAL_RANK", 0),
                          env_int("LOCAL_WORLD_SIZE", 1, 1))
     for name, index, size, size_name in (("RANK", place.rank, place.world_size, "WORLD_SIZE"),
@@ -4027,10 +3950,8 @@ def process_place():
 
 
 def setup_distributed(hp):
-    """torchrun (RANK/WORLD_SIZE set) or a single plain process; NCCL on CUDA, gloo on CPU. The
-    device follows the node-local rank; data and logs follow the global rank."""
-    # as the reference: segments that grow in place, so the stages' larger batches do not fragment
-    # memory (read when CUDA first allocates; a setting of the user's own is kept)
+    """torchrun or a plain process; NCCL on CUDA, gloo on CPU; the device by the local rank."""
+    # as the reference: growable segments (larger later batches do not fragment); read at CUDA init
     os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     rank, world_size, local_rank, local_world = process_place()
     if hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available()):
@@ -4047,17 +3968,14 @@ def setup_distributed(hp):
         device = torch.device("cpu")
         torch.set_num_threads(hp.cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
     if world_size > 1:
-        # the first compile on 8 ranks can keep a rank from the next collective for many minutes
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=30),
+                                timeout=datetime.timedelta(minutes=30),  # compiles can stall a rank
                                 device_id=device if device.type == "cuda" else None)
     return rank, world_size, device
 
 
 def resolve_data(hp, rank):
-    """(train glob, val glob, description), under $DATA_PATH. With --synthetic_fallback the
-    synthetic corpus (in ./data/synthetic/) replaces the data when both default globs match nothing;
-    half the real data, or a user's glob that matches nothing, is an error."""
+    """(train glob, val glob, description) under $DATA_PATH, or --synthetic_fallback's corpus."""
     data_path = os.environ.get("DATA_PATH")
     if data_path and not Path(data_path).is_dir():
         raise DataError(f"DATA_PATH {data_path} is not a folder; set it to the folder that holds "
@@ -4086,8 +4004,7 @@ def resolve_data(hp, rank):
 
 @contextlib.contextmanager
 def failing_together(device, during="setup"):
-    """Run a block on every rank; if it fails on any rank, fail on all (one rank stopping alone
-    would leave the others waiting in their next collective)."""
+    """If the block fails on any rank, fail on all (else the rest wait in their next collective)."""
     error = None
     try:
         yield
@@ -4164,14 +4081,11 @@ class RunStats:
 
 
 def model_flops_per_token(model, hp):
-    """6 x (matmul weights: blocks + head) for forward+backward, plus attention's 12 x layers x hdim
-    x mean keys per query (half the average long/short window of the last stage). Embedding lookups
-    are free."""
+    """Training FLOPs per token: 6 x matmul weights + 12 x attention layers x hdim x keys/query."""
     hidden = ("attn", "attn_qk", "attn_vo", "mlp")
     matmul = (sum(p.numel() for p, spec in model.param_table() if spec.label in hidden)
               + model.lm_head.weight.numel())
-    # one layer has no attention (a paired layer's doubled stream costs the same)
-    attn_layers = hp.num_layers - 1
+    attn_layers = hp.num_layers - 1  # one has none (a paired layer's doubled stream: same cost)
     keys = 0.75 * hp.window_blocks[-1] * hp.window_block_tokens / 2
     return 6 * matmul + 12 * attn_layers * hp.num_heads * hp.head_dim * keys
 
@@ -4186,8 +4100,7 @@ class StepProfiler:
         if self.range and self.range[1] >= total_steps:
             log(f"warning: --profile {hp.profile} ends at or after the run's last step "
                 f"({total_steps}); no trace will be written (END must be below it)")
-            # a profiler never stopped would outlive the run (and crash the interpreter's exit)
-            self.range = None
+            self.range = None  # a profiler never stopped would outlive the run (and crash its exit)
 
     def at(self, step, rank):
         if self.range is None:
@@ -4204,17 +4117,13 @@ class StepProfiler:
 
 
 class LateLossCheck:
-    """Each step's [loss, stop votes] (Trainer.train_step) is read one step late, so the host never
-    waits for the GPU: push() starts copying this step's values, checks the previous step's loss for
-    a non-finite value and returns whether any rank asked to stop at that step; finish() does the
-    same for the last. The values are summed over ranks, so every rank reads the same ones at the
-    same step."""
+    """Each step's [loss, stop votes], summed over ranks, read a step late: the host never waits."""
 
     def __init__(self, device):
         self.device, self.pending = device, None
 
     def push(self, step, totals, reduction=None):
-        """reduction: the async all-reduce that sums `totals` over the ranks (None alone)."""
+        """Copy `totals` (`reduction`: their async all-reduce); return the last step's stop vote."""
         stop = self.finish()
         if reduction is not None:
             reduction.wait()  # on the GPU: the copy below waits for it, the host does not
@@ -4245,10 +4154,8 @@ class LateLossCheck:
 
 
 class StopSignals:
-    """SIGTERM, SIGUSR1 (schedulers' warning before a kill) and SIGHUP (terminal closed) ask the
-    run to stop: at once before the first training step (Preempted: nothing to save); from
-    note_from_now_on() the first is only noted, and the loop stops every rank at the same step after
-    a checkpoint. Later signals change nothing, so none cuts the checkpoint's write short."""
+    """SIGTERM, SIGUSR1, SIGHUP stop the run: at once before the first step (Preempted), later at
+    the same step on every rank after a checkpoint; signals after the first change nothing."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
@@ -4259,8 +4166,7 @@ class StopSignals:
         self.noting = True
 
     def __enter__(self):
-        # Python handles signals in the main thread only
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():  # (signals: main thread only)
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._note)
         return self
@@ -4275,8 +4181,7 @@ class StopSignals:
             raise Preempted(f"stopped by {name} before the first training step; nothing new to "
                             f"save")
         if self.received is None and os.environ.get("RANK", "0") == "0":
-            # at once, so a long step (many --micro_batch_tokens pieces) does not look like an
-            # ignored signal; os.write: a print could re-enter a write the handler interrupted
+            # now, lest a long step seem to ignore it; os.write: a print could re-enter a write
             with contextlib.suppress(OSError):  # (a closed terminal: SIGHUP's usual company)
                 os.write(2, f"{name} received: the run stops with a checkpoint within 1-3 "
                             f"steps\n".encode())
@@ -4284,20 +4189,16 @@ class StopSignals:
 
 
 class Preempted(Exception):
-    """The run stopped at a stop signal's request, with its state saved (main prints it from rank
-    0)."""
+    """The run stopped at a stop signal, its state saved (main prints it from rank 0)."""
 
 
 def checkpoint_complete_after(steps_done):
-    """Whether a checkpoint after `steps_done` steps holds the whole optimizer state: DistAdam's
-    gradients accumulate from an even step to the odd step where it updates, and checkpoints hold no
-    gradients."""
+    """Checkpoints hold no gradients; DistAdam's accumulate from an even step to its odd update."""
     return steps_done % 2 == 0
 
 
 def write_checkpoint(path, snap, required, log):
-    """Write a checkpoint and return its path. A failed write raises if `required` (final,
-    preemption); else it only warns, training goes on and the earlier checkpoints stay (None)."""
+    """Save and return the path; a failed write raises if `required`, else warns (returns None)."""
     try:
         save_checkpoint(path, snap)
     except OSError as e:
@@ -4321,8 +4222,7 @@ def remove_stale_checkpoint_writes(folder, log):
 
 
 def portable_argv(argv):
-    """The command-line arguments with data paths under the working folder made relative to it, so
-    a log (and a replay of it) does not name this machine's folders."""
+    """argv with paths under the working folder made relative: a log names no machine's folders."""
     out, here = [], Path.cwd()
     for i, arg in enumerate(argv):
         if i and argv[i - 1] in ("--train_files", "--val_files", "--resume") and os.path.isabs(arg):
@@ -4369,23 +4269,16 @@ def fail(trainer, message, code=2):
 
 
 # ----------------------------------------------------------------------------------------------
-# Smaller GPUs (--micro_batch_tokens): micro-steps and validation in pieces of whole documents
-# with their context
+# Smaller GPUs (--micro_batch_tokens): micro-steps and validation in pieces with their context
 
 
-# A micro-step piece carries the context the uncut micro-step would read outside it: before its
-# tokens, the document that precedes them, whole (up to max_seq_len tokens: for the smear gate and
-# the bigram sign of its first token its last token, for the key shift that token's key, a function
-# of the whole document; or, where a long document is cut, the document's earlier part), with no
-# loss; after them, the targets of two positions (the multi-token loss of its last positions).
+# A piece carries, lossless, the context the uncut micro-step reads: before, the whole preceding
+# document (<= max_seq_len; the key shift needs it) or a cut one's start; after, two more targets.
 PIECE_CONTEXT_AFTER = MTP_HORIZON - 1
 
 
 def pack_documents(doc_lengths, max_piece_tokens):
-    """[(start, stop)] of the pieces a micro-step of documents `doc_lengths` runs as: its documents
-    in order, as many as fit in max_piece_tokens; only a document longer than that is cut (into
-    pieces of its own, the last of which the next documents may join). Returns (bounds, number of
-    documents cut)."""
+    """(piece bounds, documents cut): whole documents per piece up to max_piece_tokens, or cut."""
     bounds, start, used, cut = [], 0, 0, 0
     for length in map(int, doc_lengths):
         if used + length > max_piece_tokens:
@@ -4408,19 +4301,14 @@ def piece_cap(hp):
 
 
 def padded_piece_length(tokens, max_piece_tokens, max_seq_len):
-    """Positions of the forward a micro-step of `tokens` (documents of at most max_seq_len) runs as:
-    all of them uncut, else the fixed length of its pieces (at most max_piece_tokens tokens and
-    their context)."""
+    """Positions per forward of a micro-step of `tokens`: all uncut, else its pieces' length."""
     if tokens <= max_piece_tokens:
         return tokens
     return max_piece_tokens + max_seq_len + PIECE_CONTEXT_AFTER
 
 
 def piece_inputs(window, doc_lengths, start, stop, length, device, bigram_ids=None):
-    """The Batch of the micro-step piece [start, stop) of `window` (inputs and last target;
-    documents `doc_lengths`; bigram ids of the whole micro-step), padded to `length`:
-    [context][tokens][padding]. The context runs from the start of the document holding the token
-    before the piece, with no loss; context_piece does the rest."""
+    """context_piece for [start, stop), its context from the document of the token before it."""
     ends = np.cumsum(doc_lengths)
     first = (int((ends - doc_lengths)[np.searchsorted(ends, start - 1, side="right")])
              if start else 0)
@@ -4429,10 +4317,7 @@ def piece_inputs(window, doc_lengths, start, stop, length, device, bigram_ids=No
 
 
 def context_piece(window, doc_lengths, first, start, stop, after, length, device, bigram_ids=None):
-    """The Batch of the tokens [start, stop) of `window` led by their context [first, start), padded
-    to `length` positions: the loss on the piece's tokens only, their targets and `after` more on
-    the positions after them, document boundaries cut to [first, stop), the padding a document of
-    its own, rotary positions from first."""
+    """The Batch [context][tokens][padding] of `window`'s [first, stop), loss on [start, stop)."""
     before, tokens = start - first, stop - start
     inputs = np.zeros(length, dtype=np.int64)  # padding: any token of every vocabulary
     inputs[: before + tokens] = window[first: stop]
@@ -4450,35 +4335,27 @@ def context_piece(window, doc_lengths, first, start, stop, after, length, device
 
 
 def cut_lengths(doc_lengths, start, stop):
-    """Lengths of the documents of a sequence inside [start, stop): a document the edges cut through
-    keeps its part inside (the piece treats that part as a document of its own)."""
+    """Lengths of the documents, or their parts the edges cut, inside [start, stop)."""
     ends = np.cumsum(doc_lengths)
     inside = np.minimum(ends, stop) - np.maximum(ends - doc_lengths, start)
     return inside[inside > 0]
 
 
 def receptive_field(plan, window_pairs, window_block_tokens):
-    """Tokens back, inside one document, that a position's output can depend on under any of the
-    (short, long) window_pairs: each attention layer reaches its window (and its key shift one token
-    more), the smear gate and the bigram one token; everything else acts per position."""
+    """Tokens back a position sees in its document: windows, +1 per key shift, +1 (smear/bigram)."""
     return 1 + sum(max(pair[1 if layer.long_window else 0] for pair in window_pairs)
-                   * window_block_tokens
-                   + layer.key_shift for layer in plan if layer.attention)
+                   * window_block_tokens + layer.key_shift for layer in plan if layer.attention)
 
 
 def validation_piece_length(tokens, max_piece_tokens, context):
-    """Positions of each forward a validation window of `tokens` runs as: all of them uncut, else
-    the fixed length of its pieces (at most max_piece_tokens tokens and the context before them)."""
+    """Positions of each forward of a validation window of `tokens`: all uncut, else its pieces'."""
     return (tokens if tokens <= max_piece_tokens
             else max_piece_tokens + min(context, tokens - max_piece_tokens))
 
 
 def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accum, device,
                       max_piece_tokens, context, bigram_rows=0):
-    """[the Batches of each validation forward]: one uncut Batch if it holds at most
-    max_piece_tokens tokens, else pieces of that many, each led by the `context` tokens before it
-    (receptive_field) with no loss, padded to validation_piece_length. A context's cut first
-    document changes nothing within reach, so every loss term is the uncut one."""
+    """Per validation window, its Batches: one uncut, or pieces led by `context` tokens (exact)."""
     for buf, lengths in validation_windows(tokens, val_tokens, val_batch_size, rank, world_size,
                                            accum):
         n = len(buf) - 1
@@ -4493,8 +4370,7 @@ def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accu
 
 
 def micro_step_pieces(hp, world_size, accum):
-    """[(tokens of a micro-step per rank, the positions of each forward it runs as)] of the run's
-    stages, each pair once (one compiled length each)."""
+    """[(a micro-step's tokens per rank, positions per forward)] of the stages, each pair once."""
     pairs = []
     for stage in Schedule(hp).stages[:3]:
         tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
@@ -4506,14 +4382,10 @@ def micro_step_pieces(hp, world_size, accum):
 
 # ----------------------------------------------------------------------------------------------
 # CPU fallbacks: tiled SDPA attention, a chunked loss, fp32 Polar Express; the synthetic corpus
-
-# FlexAttention has no CPU backward, so attention runs as tiled SDPA with the same mask; the
-# softcapped loss runs in chunks with its gradients formed on the way; Polar Express runs in fp32
-# (backend_for), as bf16 matmuls without native support are ~20x slower.
+# (FlexAttention has no CPU backward; bf16 matmuls without native support are ~20x slower)
 
 def local_window_mask(docs, window_tokens):
-    """Queries in tiles of ATTN_BLOCK; each tile sees the window_tokens keys before it plus itself.
-    Returns (tile mask, keys looked back)."""
+    """(tile mask, lookback): ATTN_BLOCK query tiles, each seeing itself and window_tokens back."""
     seq_len = docs.numel()
     n_tiles = -(-seq_len // ATTN_BLOCK)
     lookback = min(int(window_tokens), seq_len)  # a shape: the CPU path reads it on the host
@@ -4547,8 +4419,7 @@ def local_window_attention(q, k, v, mask, scale):
 
 
 class TiledWindowAttention:
-    """The CPU attention: same mask semantics as FlexWindowAttention, via one batched SDPA over
-    tiles."""
+    """The CPU attention: FlexWindowAttention's mask, one batched SDPA over tiles."""
 
     mask = staticmethod(local_window_mask)
 
@@ -4561,9 +4432,8 @@ SOFTCAP_CHUNK = 512  # rows of logits alive at once in the CPU loss
 
 def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, loss_mask=None,
                          prior=None, prior_rows=None):
-    """Summed cross-entropy of the softcapped logits of x @ w.T (mtp_weights, loss_mask: as
-    multi_token_loss; a prior: plus its rows prior_rows), SOFTCAP_CHUNK rows at a time, so no
-    (tokens, vocab) pass dominates on CPU; with_grads also forms d loss / d x and d loss / d w."""
+    """Summed cross-entropy of softcap(x @ w.T) (+ prior rows; mtp_weights, loss_mask: as in
+    multi_token_loss), SOFTCAP_CHUNK rows at a time; with_grads also forms d loss / d x, d w."""
     scale, n = softcap.scale, x.size(0)
     weights = [1.0] if mtp_weights is None else mtp_weights  # 0-dim tensors: no host read
     grad_x = torch.empty_like(x) if with_grads else None
@@ -4572,10 +4442,8 @@ def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, l
     for start in range(0, n, SOFTCAP_CHUNK):
         xc = x[start: start + SOFTCAP_CHUNK]
         rows = torch.arange(xc.size(0), device=x.device)
-        # the targets of the next len(weights) tokens that exist: row r of horizon k targets
-        # token start + r + k
         horizons = [(wk, targets[start + k: start + k + xc.size(0)])
-                    for k, wk in enumerate(weights) if start + k < n]
+                    for k, wk in enumerate(weights) if start + k < n]  # row r: target start + r + k
         if loss_mask is not None:  # each horizon's weight per row: 0 where mask or target says no
             horizons = [(wk * (loss_mask[start: start + tk.numel()] & (tk >= 0)), tk.clamp_min(0))
                         for wk, tk in horizons]
@@ -4583,15 +4451,12 @@ def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, l
         if softcap.offset:
             logits.add_(softcap.offset)
         logits.div_(SOFTCAP_WIDTH).sigmoid_().mul_(scale)
-        # d logits / d z = scale * s (1 - s) / SOFTCAP_WIDTH with s = logits / scale,
-        # i.e. logits * (scale - logits) / (scale * SOFTCAP_WIDTH)
+        # d logits / d z = logits * (scale - logits) / (scale * SOFTCAP_WIDTH): the sigmoid's slope
         slope = torch.rsub(logits, scale).mul_(logits) if with_grads else None
-        # the prior is a constant: d loss / d logits keeps its form, with the softmax of the sum
-        if prior is not None:
+        if prior is not None:  # a constant: d loss / d logits keeps its form (softmax of the sum)
             prior.add_to(logits, prior_rows[:, start: start + xc.size(0)])
         picked = [logits[rows[: tk.numel()], tk] for _, tk in horizons]
-        # logits lie below scale (a prior's log-probabilities are <= 0): exp cannot overflow
-        probs = logits.exp_()
+        probs = logits.exp_()  # logits < scale (a prior's log-probabilities <= 0): no overflow
         sum_exp = probs.sum(dim=1)
         log_sum = sum_exp.log()
         for (wk, tk), z in zip(horizons, picked):
@@ -4618,8 +4483,7 @@ def chunked_softcap_loss(x, w, targets, with_grads, softcap, mtp_weights=None, l
 
 
 class ChunkedSoftcapLoss(torch.autograd.Function):
-    """chunked_softcap_loss as an autograd op: gradients come from the forward pass, so no
-    (tokens, vocab) tensor outlives one chunk."""
+    """chunked_softcap_loss as an autograd op: its forward forms the gradients (no logits kept)."""
 
     @staticmethod
     def forward(ctx, x, w, targets, softcap, mtp_weights, loss_mask, prior=None, prior_rows=None):
@@ -4636,9 +4500,7 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
 
 def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap,
                                   mtp_weights=None, loss_mask=None, inputs=None, prior=None):
-    """softcap_cross_entropy for the CPU: same values, chunked (fp8_scales and the sigmoid's bf16
-    rounding are ignored: no FP8 on CPU, and the CPU path computes in fp32); with --ngram_prior's
-    NgramPrior (backend_for binds it) its rows of the contexts in `inputs` join the logits."""
+    """softcap_cross_entropy for the CPU: chunked, fp32, no FP8, + NgramPrior rows for `inputs`."""
     prior_rows = None if prior is None else prior.context_rows(inputs)
     if training:
         return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights, loss_mask, prior,
@@ -4655,10 +4517,8 @@ CPU_POLAR_EXPRESS = dict(use_triton=False, dtype=torch.float32)
 
 def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512,
                      topics=8):
-    """Write a deterministic corpus with learnable structure: BOS-started documents, each with a
-    topic, generated by a topic-dependent sparse Markov chain (4 successors per token, probs
-    .6/.25/.1/.05). A model must use context (the topic) and the previous token to reach ~1.1
-    nats/token; the unigram entropy is ~ln(vocab). Returns the (train, val) paths."""
+    """Write a deterministic corpus, returning its paths: BOS-led documents of a sparse Markov chain
+    per topic; topic and previous token reach ~1.1 nats/token (unigram entropy ~ln(vocab))."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -4690,6 +4550,5 @@ def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144
 
 
 if __name__ == "__main__":
-    # Ctrl-C raises KeyboardInterrupt again (main reports it)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt again
     main()
