@@ -52,9 +52,10 @@ def _small_model(vocab=1024, layers=9, seed=0, block_tokens=16, randomize=True, 
         g = _gen(seed + 1)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if p.label in ("mlp", "gate", "smear_gate", "skip_gate") and p.abs().max() == 0:
-                    p.uniform_(-0.05, 0.05, generator=g) if p.label == "mlp" else p.normal_(0, 0.5, generator=g)
-                elif p.label in ("value_embed", "bigram"):
+                label = model.specs[name].label
+                if label in ("mlp", "gate", "smear_gate", "skip_gate") and p.abs().max() == 0:
+                    p.uniform_(-0.05, 0.05, generator=g) if label == "mlp" else p.normal_(0, 0.5, generator=g)
+                elif label in ("value_embed", "bigram"):
                     p.normal_(0, 0.5, generator=g)
                 elif name == "mudd_w2":
                     p.normal_(0, 0.05, generator=g)
@@ -300,7 +301,8 @@ def test_tied_embedding_and_head(monkeypatch):
     # no separate embedding parameter: lm_head.weight is the only "lm_head" parameter, and the other
     # vocab-sized tables are exactly the 5 value embeddings
     params = dict(model.named_parameters())
-    assert model.embed is None and [n for n, p in params.items() if p.label in ("lm_head", "embed")] == ["lm_head.weight"]
+    heads = [n for n in params if model.specs[n].label in ("lm_head", "embed")]
+    assert model.embed is None and heads == ["lm_head.weight"]
     vocab_sized = {n for n, p in params.items() if p.size(0) == W.size(0)}
     assert vocab_sized == {"lm_head.weight", *(f"value_embeds.{i}" for i in range(5))}
 

@@ -81,12 +81,12 @@ def loss_inputs(n=37, dim=8, seed=0):
 def test_chunked_loss_with_prior_matches_dense_autograd(monkeypatch, masked):
     monkeypatch.setattr(tg, "SOFTCAP_CHUNK", 8)  # several chunks and a partial one
     x, w, inputs, targets, mask = loss_inputs()
-    prior_rows = random_prior(1.0).context_rows(inputs)
     if not masked:
         targets, mask = targets.clamp_min(0), None
     prior, softcap, weights = random_prior(0.8), tg.Softcap(23.0, 5.0), torch.tensor([1.0, 0.5, 0.25])
     x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = tg.chunked_softcap_cross_entropy(x1, w1, targets, True, None, softcap, weights, mask, prior, prior_rows)
+    loss = tg.chunked_softcap_cross_entropy(x1, w1, targets, True, None, softcap, weights, mask, inputs=inputs,
+                                            prior=prior)
     loss.backward()
     x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
     logits = tg.softcapped(x2 @ w2.T, softcap) + rows(prior, inputs)
