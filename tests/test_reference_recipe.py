@@ -150,14 +150,13 @@ def ref_adam_steps(p, grads, lr, lr_mul, wd_mul, betas=(0.65, 0.95), eps=1e-8, w
 @pytest.mark.parametrize("steps", [1, 2])
 def test_distadam_step_matches_reference_formula(label, lr_mul, steps):
     gen = torch.Generator().manual_seed(11)
-    p = torch.nn.Parameter(torch.randn(64, 16, generator=gen) * 0.5)
-    spec = tg.ParamSpec(label, "adam", lr_mul=lr_mul)
+    p = tg.tag(torch.nn.Parameter(torch.randn(64, 16, generator=gen) * 0.5), label, lr_mul=lr_mul)
     grads = [torch.randn(64, 16, generator=gen) * 0.01 for _ in range(steps)]
     grads[0][:4] *= 1e-7  # rows where eps dominates sqrt(v): its placement matters there
     lr = 0.008 * 1.51  # record lr at a stage-1 multiplier
     initial = p.detach().clone()
     expected = ref_adam_steps(initial, grads, lr, lr_mul, wd_mul=1.0)
-    adam = tg.DistAdam([(p, spec)], lr, (0.65, 0.95), 1e-8, 0.005)
+    adam = tg.DistAdam([p], lr, (0.65, 0.95), 1e-8, 0.005)
     for g in grads:
         p.grad = g.clone()
         adam.step()
