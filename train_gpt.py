@@ -244,7 +244,7 @@ MIN_MICRO_BATCH_TOKENS = 128
 # context's likeliest next token may have P = 1 / vocab, so every row's sum stays above 0 while
 # --ngram_prior x ln(vocab) <= 87 (exp(-87) ~ fp32's smallest normal): a weight <= 8.04.
 PRIOR_EXP_FLOOR = 87.0
-MAX_NGRAM_ORDER = 5  # --ngram_prior_order: <= 4 context tokens pack into a uint64 (count_ngrams)
+MAX_NGRAM_ORDER = 5  # --ngram_prior_order: <= 4 context tokens pack into a uint64 (ngram_prior.py)
 
 
 def grad_accum_steps(hp, world_size):
@@ -1158,7 +1158,7 @@ class GPT(nn.Module):
         """[(parameter, ParamSpec)] of every parameter in model order: what the optimizers train."""
         unknown = [name for name, _ in self.named_parameters() if name not in self.specs]
         if unknown:
-            raise KeyError(f"parameters without a ParamSpec (param_spec names every parameter): {unknown}")
+            raise KeyError(f"parameters without a ParamSpec (param_spec names them all): {unknown}")
         return [(p, self.specs[name]) for name, p in self.named_parameters()]
 
     def init_embeddings(self, hp):
@@ -2306,7 +2306,7 @@ def normalize_variance(update, second_moment, reduce_dim, beta2):
 
 
 def ema_(average, value, beta):
-    """average <- beta * average + (1 - beta) * value, in place (an Adam moment, a Shampoo factor);
+    """average <- beta * average + (1 - beta) * value, in place (an Adam moment, a track-3 factor);
     beta a float, or a 0-dim tensor in compiled code (a new value needs no new graph)."""
     if isinstance(beta, Tensor):
         return average.mul_(beta).add_(value * (1 - beta))
@@ -2875,7 +2875,7 @@ class Trainer:
             self.log.open(continuing)
 
     def count_prior(self):
-        """(--ngram_prior's NgramPrior from the training shards, the ms it took)."""
+        """(--ngram_prior's prior counted from the training shards, the ms it took)."""
         began = time.perf_counter()
         prior = load_companion("ngram_prior.py").count_ngram_prior(self.hp, self.loader.files,
                                                                    self.log)
@@ -4500,7 +4500,7 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
 
 def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap,
                                   mtp_weights=None, loss_mask=None, inputs=None, prior=None):
-    """softcap_cross_entropy for the CPU: chunked, fp32, no FP8, + NgramPrior rows for `inputs`."""
+    """softcap_cross_entropy for the CPU: chunked, fp32, no FP8, + the prior's rows for `inputs`."""
     prior_rows = None if prior is None else prior.context_rows(inputs)
     if training:
         return ChunkedSoftcapLoss.apply(x, weight, targets, softcap, mtp_weights, loss_mask, prior,

@@ -9,7 +9,10 @@ import train_gpt as tg
 ROOT = Path(__file__).resolve().parents[1]
 CODE = [ROOT / "train_gpt.py", ROOT / "track3.py", ROOT / "ngram_prior.py"]
 MAX_COLUMNS = 100
-RECORD_PATH_LINES = 2500  # before the fence: what a speedrunner reads to know the whole recipe
+# Growth guards, set at this round's sizes (the 2,500 and 4,000 were measured on the file before
+# it was wrapped to 100 columns; its code lines alone are ~3,300 now): the recipe, before the fence, and
+# the whole file
+RECORD_PATH_LINES, FILE_LINES = 3100, 4600
 FENCE = "# " + "=" * 94
 
 
@@ -30,7 +33,7 @@ def test_the_other_tracks_live_in_files_of_their_own():
 def test_the_record_path_comes_first_and_ends_at_the_fence():
     lines = (ROOT / "train_gpt.py").read_text().splitlines()
     fence = lines.index(FENCE) + 1
-    assert fence <= RECORD_PATH_LINES, fence
+    assert fence <= RECORD_PATH_LINES and len(lines) <= FILE_LINES, (fence, len(lines))
     before = "\n".join(lines[:fence])
     # the recipe's pieces are above the fence; the CLI, checkpoints and the CPU fallbacks below it
     for name in ("class Hyperparameters", "class TrainLoader", "class GPT", "class FP8SoftcapLoss",
