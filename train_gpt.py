@@ -2751,11 +2751,11 @@ def step_line(step, total_steps, ms, val_loss=None):
             f"step_avg:{ms / max(step, 1):.2f}ms")
 
 
-def open_data(hp, rank, world_size, device, accum, log):
+def open_data(hp, schedule, rank, world_size, device, accum, log):
     """(training loader, validation tokens, validation files); all shards checked before work."""
     if hp.micro_batch_tokens:
         log(f"micro_batch_tokens {hp.micro_batch_tokens}: micro-steps of "
-            f"{describe_pieces(micro_step_pieces(hp, world_size, accum))} (documents in order, "
+            f"{describe_pieces(micro_step_pieces(hp, schedule.stages, world_size, accum))} (documents in order, "
             f"at most {hp.micro_batch_tokens} tokens a piece, with the previous document and 2 "
             f"targets of context, padded)")
     train_pattern, val_pattern, data_description = resolve_data(hp, rank)
@@ -2769,7 +2769,7 @@ def open_data(hp, rank, world_size, device, accum, log):
                         f"micro-step from one shard, but the largest training shard holds "
                         f"{max(loader.shard_tokens)}; use smaller batches or larger shards")
     if not hp.cycle_data:
-        check_shards_last(hp, loader.files, loader.shard_tokens, world_size, accum)
+        check_shards_last(hp, schedule, loader.files, loader.shard_tokens, world_size, accum)
     return loader, val_tokens, sorted(glob.glob(val_pattern))
 
 
@@ -2825,7 +2825,8 @@ class Trainer:
         """`lifetime` (an ExitStack: main's) holds the run lock until the process is done."""
         self.hp, self.stop = hp, stop or StopSignals()  # (one not entered never hears a signal)
         self.rank, self.world_size, self.device = setup_distributed(hp)
-        self.total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
+        self.schedule = Schedule(hp, self.device)  # the run's one Schedule
+        self.total_steps = self.schedule.total_steps
         self.run_id = hp.run_id or str(uuid.uuid4())
         self.checkpoint_folder = Path(hp.log_dir) / "checkpoints" / self.run_id
         self.log = RunLog(Path(hp.log_dir) / f"{self.run_id}.txt", self.rank == 0, hp)
@@ -2840,8 +2841,9 @@ class Trainer:
                                                           self.total_steps)
             log_arguments(self.log, argv, hp, continuing)
             self.log(f"world_size {self.world_size}  grad_accum {self.accum}  device {self.device}")
-            self.loader, self.val_tokens, val_files = open_data(hp, self.rank, self.world_size,
-                                                                self.device, self.accum, self.log)
+            self.loader, self.val_tokens, val_files = open_data(hp, self.schedule, self.rank,
+                                                                self.world_size, self.device,
+                                                                self.accum, self.log)
             self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder,
                                                                       self.log, continuing)
             if self.resume_from is not None:
@@ -2858,7 +2860,6 @@ class Trainer:
             self.log(f"warning: {warning}")
         self.model, self.forward = start_model(hp, self.backend, self.device, self.world_size)
         self.matrix_opt, self.adam = make_optimizers(self.model, hp, self.backend)
-        self.schedule = Schedule(hp, self.device)
         self.val_context = receptive_field(self.model.plan, self.schedule.window_pairs(),
                                            hp.window_block_tokens)
         val_chunk = tokens_per_rank(hp.val_batch_size, self.world_size, self.accum)
@@ -3417,17 +3418,17 @@ def check_batch_splits(hp, world_size, accum):
 DATA_WALK_MAX_TOKENS = 1 << 26  # shards up to this are walked before the first step (~0.2 s)
 
 
-def check_shards_last(hp, files, shard_tokens, world_size, accum):
+def check_shards_last(hp, schedule, files, shard_tokens, world_size, accum):
     """Refuse shards too short for the run: by token count, or when small by step_shards_run_out."""
-    total_steps = hp.num_scheduled_iterations + hp.num_extension_iterations
+    total_steps = schedule.total_steps
     fix = ("add training shards, shorten the run (--num_scheduled_iterations) or pass "
            "--cycle_data true")
     needed = sum((stage.end_step - stage.first_step) * (stage.batch_tokens + world_size * accum)
-                 for stage in Schedule(hp).stages)
+                 for stage in schedule.stages)
     if sum(shard_tokens) < needed:
         raise DataError(f"the {len(files)} training shard(s) hold {sum(shard_tokens):,} tokens, "
                         f"but the run's {total_steps} steps take at least {needed:,}; {fix}")
-    step = (step_shards_run_out(hp, files, world_size, accum)
+    step = (step_shards_run_out(hp, schedule.stages, files, world_size, accum)
             if sum(shard_tokens) <= DATA_WALK_MAX_TOKENS else None)
     if step is not None:
         raise DataError(f"the {len(files)} training shard(s) ({sum(shard_tokens):,} tokens) run "
@@ -3436,10 +3437,10 @@ def check_shards_last(hp, files, shard_tokens, world_size, accum):
                         f"each; {fix}")
 
 
-def step_shards_run_out(hp, files, world_size, accum):
+def step_shards_run_out(hp, stages, files, world_size, accum):
     """The first step the shards cannot fill (walked as TrainLoader.next_pieces does), or None."""
     shard, cursor, bos, size = -1, 0, np.zeros(0, dtype=np.int64), 0
-    for stage in Schedule(hp).stages:
+    for stage in stages:
         rank_tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
         # plan_pieces sees only the documents a micro-step can need (>= 1 token each): cheap calls
         window = world_size * (rank_tokens + 1) + 1
@@ -4369,10 +4370,10 @@ def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accu
                for start in range(0, n, max_piece_tokens)]
 
 
-def micro_step_pieces(hp, world_size, accum):
+def micro_step_pieces(hp, stages, world_size, accum):
     """[(a micro-step's tokens per rank, positions per forward)] of the stages, each pair once."""
     pairs = []
-    for stage in Schedule(hp).stages[:3]:
+    for stage in stages[:3]:
         tokens = tokens_per_rank(stage.batch_tokens, world_size, accum)
         pair = (tokens, padded_piece_length(tokens, piece_cap(hp), stage.max_seq_len))
         if pair not in pairs:

@@ -315,7 +315,7 @@ def test_warm_up_runs_every_piece_length(corpus, tmp_path, restore_threads):  # 
     forward = trainer.forward
     trainer.forward = lambda inputs, *rest, **kw: seen.add(len(inputs)) or forward(inputs, *rest, **kw)
     trainer.warm_up()
-    expected = {length for _, length in tg.micro_step_pieces(trainer.hp, 1, 1)}
+    expected = {length for _, length in tg.micro_step_pieces(trainer.hp, trainer.schedule.stages, 1, 1)}
     assert expected == {650, 458}  # 200 tokens, the previous document (448 / 256 at most) and 2 targets
     assert expected <= seen
     trainer.loader.close()

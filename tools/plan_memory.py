@@ -182,7 +182,8 @@ class MemoryPlan:
         self.accum = grad_accum_steps(hp, world_size)
         check_batch_splits(hp, world_size, self.accum)
         schedule = Schedule(hp)
-        last = schedule.at(hp.num_scheduled_iterations + hp.num_extension_iterations)
+        self.stages = schedule.stages
+        last = schedule.at(schedule.total_steps)
         self.windows, self.mtp_weights = last.windows, last.mtp_weights
         self.window_pairs = schedule.window_pairs()
         self.fake, self.live = FakeTensorMode(), LiveMemory()
@@ -214,7 +215,8 @@ class MemoryPlan:
         head ({"trunk": ..., "head": ...})."""
         before = self.live.live
         if batch is None:
-            uncut = micro_step_pieces(dataclasses.replace(self.hp, micro_batch_tokens=0), self.world_size, self.accum)
+            uncut = micro_step_pieces(dataclasses.replace(self.hp, micro_batch_tokens=0), self.stages, self.world_size,
+                                      self.accum)
             batch = plan_batch(self.hp, tokens, piece=training and tokens not in dict(uncut))
         batch = Batch(*(None if t is None else self.fake.from_tensor(t) for t in batch))
         for t in batch:  # the batch is made for the piece
@@ -273,7 +275,7 @@ class MemoryPlan:
     def largest_piece(self, micro_batch_tokens):
         """The positions of the longest forward (a padded piece, or an uncut micro-step) of the run at that cap."""
         hp = dataclasses.replace(self.hp, micro_batch_tokens=micro_batch_tokens)
-        return max(length for _, length in micro_step_pieces(hp, self.world_size, self.accum))
+        return max(length for _, length in micro_step_pieces(hp, self.stages, self.world_size, self.accum))
 
     def largest_fitting_cap(self, budget_bytes):
         """The largest --micro_batch_tokens (a multiple of PLAN_PIECE_STEP) whose training peak (its padded
@@ -301,7 +303,7 @@ def plan_report(hp, world_size, gpu_memory_gb):
     """The lines this tool prints; the last reads 'predicted peak per process: X GiB' (one GPU's, on GPUs)."""
     gpu_path = hp.device != "cpu"
     plan = MemoryPlan(hp, world_size, gpu_path)
-    pieces = micro_step_pieces(hp, world_size, plan.accum)
+    pieces = micro_step_pieces(hp, plan.stages, world_size, plan.accum)
     piece = plan.largest_piece(hp.micro_batch_tokens)
     figures = plan.piece_figures(piece)
     val_length, val_peak = plan.validation_figures(hp.micro_batch_tokens)
@@ -334,7 +336,8 @@ def plan_report(hp, world_size, gpu_memory_gb):
         elif cap == 0:
             fit += "any: the run fits uncut (0)"
         else:
-            cut = micro_step_pieces(dataclasses.replace(hp, micro_batch_tokens=cap), world_size, plan.accum)
+            cut = micro_step_pieces(dataclasses.replace(hp, micro_batch_tokens=cap), plan.stages, world_size,
+                                    plan.accum)
             cap_peak = plan.piece_figures(plan.largest_piece(cap))["peak"]
             cap_val_length, cap_val_peak = plan.validation_figures(cap)
             fit += (f"{cap} (training peak {cap_peak / GiB:.2f} GiB, validation peak {cap_val_peak / GiB:.2f} GiB; "
