@@ -303,8 +303,9 @@ def split_log(text, source="the log"):
 
 
 class _Rewrite(ast.NodeTransformer):
-    """Drops torch.compile decorators, renames the custom-op namespace, makes `.cuda()` the identity (the
-    decorators and `.cuda()` stay with keep_compile and keep_cuda: a real run on a GPU, tools/gpu_race.py)."""
+    """Drops torch.compile decorators, renames the custom-op namespace, makes `.cuda()` the identity
+    (the decorators and `.cuda()` stay with keep_compile and keep_cuda: a real run on a GPU,
+    tools/gpu_race.py)."""
 
     def __init__(self, namespace, keep_compile=False, keep_cuda=False):
         self.namespace, self.keep_compile, self.keep_cuda = namespace, keep_compile, keep_cuda
@@ -332,8 +333,9 @@ class _Rewrite(ast.NodeTransformer):
 
     def visit_Call(self, node):
         self.generic_visit(node)
-        if (isinstance(node.func, ast.Attribute) and node.func.attr == "cuda" and not node.args and not node.keywords
-                and not self.keep_cuda):
+        call = node.func
+        if (isinstance(call, ast.Attribute) and call.attr == "cuda" and not node.args
+                and not node.keywords and not self.keep_cuda):
             return node.func.value
         return node
 
@@ -380,8 +382,9 @@ def _cuda_properties():
 
 
 def _padded_backward(backward):
-    """A backward returning fewer gradients than its Function has inputs, padded with None (or more, the
-    extra Nones dropped): the compiled run (dynamo) accepts such a tuple, eager autograd does not."""
+    """A backward returning fewer gradients than its Function has inputs, padded with None (or
+    more, the extra Nones dropped): the compiled run (dynamo) accepts such a tuple, eager autograd
+    does not."""
     def padded(ctx, *grads):
         result = backward(ctx, *grads)
         result = result if isinstance(result, tuple) else (result,)
@@ -398,8 +401,9 @@ class Reference:
     rewrite_options = {}  # _Rewrite's keep_compile and keep_cuda
 
     def __init__(self, log_path, world_size, attention_op, micro_steps=None, sizes=None):
-        """micro_steps: one rank's micro-steps per step (default the script's 8 // world_size); sizes: the model's
-        GPT(...) keywords and `args` fields to change (smaller models: tools/gpu_race.py's dry run)."""
+        """micro_steps: one rank's micro-steps per step (default the script's 8 // world_size);
+        sizes: the model's GPT(...) keywords and `args` fields to change (smaller models:
+        tools/gpu_race.py's dry run)."""
         with open(log_path, encoding="utf-8") as f:
             text = f.read()
         script, kernels = split_log(text, log_path)
@@ -424,7 +428,8 @@ class Reference:
             return ast.parse(f.read(), filename=path)
 
     def _exec(self, tree, module, path):
-        tree = ast.fix_missing_locations(_Rewrite(self.namespace, **self.rewrite_options).visit(tree))
+        rewrite = _Rewrite(self.namespace, **self.rewrite_options)
+        tree = ast.fix_missing_locations(rewrite.visit(tree))
         exec(compile(tree, path, "exec"), module.__dict__)
 
     def _load_kernels(self, path):
@@ -452,8 +457,9 @@ class Reference:
                                        "stand-in here")
                     setattr(module, alias.asname or alias.name, getattr(self.kernels, alias.name))
         module.get_kernel = lambda *args, **kwargs: self.flash_attention(attention_op)
-        module.__dict__.update(rank=0, world_size=self.world_size, grad_accum_steps=self.micro_steps,
-                               grad_scale=1 / self.micro_steps, device=self.device(), master_process=True)
+        module.__dict__.update(rank=0, world_size=self.world_size, master_process=True,
+                               grad_accum_steps=self.micro_steps, grad_scale=1 / self.micro_steps,
+                               device=self.device())
         model_code = ast.Module(body=_model_statements(tree), type_ignores=[])
         tree.body = [n for n in tree.body if _kept(n)]
         self._exec(tree, module, path)
@@ -461,7 +467,8 @@ class Reference:
         return module, model_code
 
     def flash_attention(self, attention_op):
-        """What `get_kernel('kernels-community/flash-attn3', ...)` returns: the ledger's stand-in."""
+        """What `get_kernel('kernels-community/flash-attn3', ...)` returns: the ledger's
+        stand-in."""
         return FlashAttention3(attention_op)
 
     def device(self):
@@ -469,7 +476,8 @@ class Reference:
         return torch.device("cpu")
 
     def _resize(self, module, model_code):
-        """self.sizes into the model statement's GPT(...) keywords and the script's `args` fields."""
+        """self.sizes into the model statement's GPT(...) keywords and the script's `args`
+        fields."""
         keywords = {k.arg: k for n in ast.walk(model_code) if isinstance(n, ast.Call)
                     and ast.unparse(n.func) == "GPT" for k in n.keywords}
         for name, value in self.sizes.items():
@@ -478,12 +486,14 @@ class Reference:
             elif hasattr(module.args, name):
                 setattr(module.args, name, value)
             else:
-                raise LogError(f"size {name!r} is neither a keyword of the log's GPT(...) nor a field of its args")
+                raise LogError(f"size {name!r} is neither a keyword of the log's GPT(...) nor a "
+                               "field of its args")
 
     @staticmethod
     def _fit_weight_amax(model):
-        """The down projections' per-tile amax buffer at the model's size: the log makes it (12, 576), the
-        count of 64 x 64 tiles of a 3,072 x 768 matrix, which quantize_transpose_mlp_down_weights asserts."""
+        """The down projections' per-tile amax buffer at the model's size: the log makes it
+        (12, 576), the count of 64 x 64 tiles of a 3,072 x 768 matrix, which
+        quantize_transpose_mlp_down_weights asserts."""
         hidden, dim = model.mlp_bank.shape[-2:]
         tiles = _tiles(hidden, 64) * _tiles(dim, 64)
         buffer = model._mlp_down_weight_partial_amax
