@@ -82,44 +82,19 @@ class RaceShape:
 
 
 # The record's per-GPU micro-step at stage 3. Our flags are the record's at world size 1 (8
-# accumulation
-# steps of 49,152 tokens, as the smoke's training graph, whose compile cache the race can load);
-# the race runs
-# one of those micro-steps, then the optimizer step.
+# accumulation steps of 49,152 tokens: the smoke's training graph, whose compile cache the race can
+# load); the race runs one of those micro-steps, then the optimizer step.
 RECORD_SHAPE = RaceShape("record", 49_152, 768, (), {}, True)
-# Tiny on the CPU: the full vocabulary (the loss kernel's), a 64-wide model, 256 tokens of
-# 64-token documents.
+# Tiny on the CPU: the full vocabulary (the loss kernel's), a 64-wide model, 256 tokens in
+# documents of 64.
 TINY_SIZES = dict(model_dim=64, num_heads=4, head_dim=16)
 TINY_BIGRAM = dict(bigram_vocab_size=2048, bigram_dim=16, bigram_sign_table_rows=64)
 DRY_RUN_SHAPE = RaceShape(
-    "dry-run",
-    256,
-    64,
-    (
-        "--model_dim",
-        "64",
-        "--num_heads",
-        "4",
-        "--head_dim",
-        "16",
-        "--bigram_vocab_size",
-        "2048",
-        "--bigram_dim",
-        "16",
-        "--bigram_sign_rows",
-        "64",
-        "--batch_sizes",
-        "1024",
-        "2048",
-        "2048",
-        "--val_batch_size",
-        "2048",
-        "--cpu_threads",
-        "2",
-    ),
-    dict(TINY_SIZES, max_seq_len=2048, **TINY_BIGRAM),
-    False,
-)
+    "dry-run", 256, 64,
+    tuple("--model_dim 64 --num_heads 4 --head_dim 16 --bigram_vocab_size 2048 --bigram_dim 16 "
+          "--bigram_sign_rows 64 --batch_sizes 1024 2048 2048 --val_batch_size 2048 "
+          "--cpu_threads 2".split()),
+    dict(TINY_SIZES, max_seq_len=2048, **TINY_BIGRAM), False)
 
 
 # ---- the batch both sides read: one window of random tokens in documents starting with BOS
@@ -147,8 +122,7 @@ class RaceStep:
     tokens: int
 
 
-# ---- ours: train_gpt's Trainer.train_step on one batch (all of the coupling to train_gpt.py is
-# here)
+# ---- ours: train_gpt's Trainer.train_step on one batch (the coupling to train_gpt.py is here)
 
 
 class OneBatch:
@@ -171,9 +145,8 @@ def our_trainer(hp, device, batch):
     """A Trainer with the training run's model, forward (compiled on CUDA with --compile),
     optimizers and schedule at world size 1, whose loader gives `batch` and whose steps run one
     micro-step."""
-    trainer = object.__new__(
-        tg.Trainer
-    )  # its __init__ opens data and logs, which a race has none of
+    # Trainer.__init__ opens data and logs, which a race has none of
+    trainer = object.__new__(tg.Trainer)
     trainer.hp, trainer.device, trainer.world_size, trainer.rank = hp, device, 1, 0
     trainer.backend = tg.backend_for(hp, device, tg.grad_accum_steps(hp, 1))
     trainer.model, trainer.forward = tg.start_model(hp, trainer.backend, device, 1)
