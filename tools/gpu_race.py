@@ -450,7 +450,7 @@ CLASS_PATTERNS = (
     ("attention", r"flex_attention|flash|attention|sdpa|scaled_dot_product"),
     ("matmul fp8", r"_scaled_mm|e4m3|e5m2|f8f8|fp8|linear_relu_square"),
     ("matmul tf32", r"tf32"),
-    ("matmul fp32", r"sgemm|f32f32|(^|::)(mm|addmm|bmm|baddbmm|matmul|linear)$"),
+    ("matmul fp32", r"sgemm|f32f32|(^|::)(mm|addmm_?|bmm|baddbmm_?|matmul|linear)$"),
     ("matmul bf16", r"gemm|xmma|cutlass|nvjet|cublas|triton_tem|mm_|_mm|XXT|XTX|ba_plus_cAA|bf16"),
 )
 
