@@ -553,22 +553,22 @@ def loss_line(ours, theirs):
     )
 
 
+def table_row(label, values):
+    """A row of the per-class table: every value after at least one space, however large."""
+    return f"{label:<22}" + "".join(f" {v:10.3f}" for v in values)
+
+
 def class_table(ours, theirs):
     """Measured (profiled kernels) and predicted ms per step by class, for both sides."""
     mine, yours = ours.classes, theirs.classes
-    lines = [
-        f"{'class':<22}{'ours':>9}{'ledger':>9}{'#89':>9}{'ledger':>9}   "
-        "(ms per step: profiled kernels, step_cost's prediction)"
-    ]
+    lines = [f"{'class':<22}{'ours':>11}{'ledger':>11}{'#89':>11}{'ledger':>11}   "
+             "(ms per step: profiled kernels, step_cost's prediction)"]
     for kind in step_cost.CLASSES:
-        lines.append(
-            f"{kind:<22}{mine[kind]:9.3f}{ours.predicted.seconds[kind] * 1e3:9.3f}"
-            f"{yours[kind]:9.3f}{theirs.predicted.seconds[kind] * 1e3:9.3f}"
-        )
-    lines.append(
-        f"{'kernels in all':<22}{sum(mine.values()):9.3f}{ours.predicted.step_seconds * 1e3:9.3f}"
-        f"{sum(yours.values()):9.3f}{theirs.predicted.step_seconds * 1e3:9.3f}"
-    )
+        lines.append(table_row(kind, (mine[kind], ours.predicted.seconds[kind] * 1e3, yours[kind],
+                                      theirs.predicted.seconds[kind] * 1e3)))
+    lines.append(table_row("kernels in all", (sum(mine.values()), ours.predicted.step_seconds * 1e3,
+                                              sum(yours.values()),
+                                              theirs.predicted.step_seconds * 1e3)))
     return lines
 
 
