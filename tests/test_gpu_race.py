@@ -5,8 +5,9 @@ steps built apart.
 Error model of the losses. Ours runs the same eager CPU code on the same inputs in the race and
 here: the same values, so the difference is the printed rounding (6 decimals). #89's first (even)
 step reads only weights at their initialization, and its Triton kernels (the torch stand-ins, as
-here, unless --kernels interpreter) enter its forward only through the fused up projection, whose output
-meets the zero-initialized down projections: its loss equals the stand-ins' to the printed rounding.
+here, unless --kernels interpreter) enter its forward only through the fused up projection, whose
+output meets the zero-initialized down projections: its loss equals the stand-ins' to the printed
+rounding.
 Its second (odd) step follows one optimizer step whose Polar Express ran through the kernels: their
 fp32 accumulations in another order move each bf16 result by at most one rounding (2^-8 relative)
 where they differ, over Polar Express's 5 iterations at most 5 such, so the update, and the loss's
