@@ -5,6 +5,7 @@
     python3 tools/gpu_smoke.py --dry-run          # the same checks at toy sizes on the CPU (the test suite runs this)
     python3 tools/gpu_smoke.py --only memory,fp8_head   # those checks alone (and the record run's phases they need)
     python3 tools/gpu_smoke.py --pytest           # also tests/test_gpu.py and tests/test_kernels.py (heavy: minutes more)
+    python3 tools/gpu_smoke.py --save-cache FILE  # then its compile caches into FILE (for tools/gpu_race.py)
 
 The checks are tools/smoke_checks.py's, in order of value. First the record model on a synthetic corpus, at one
 batch size throughout (one training graph): three steps from initialization (every parameter moves; its first
@@ -82,7 +83,13 @@ def main(argv=None):
     parser.add_argument("--only", type=check_list, metavar="NAME,...",
                         help="run these checks alone (with the record run's phases they need), e.g. to pick up "
                              "where a run stopped at its deadline")
+    parser.add_argument("--save-cache", type=Path, default=None, metavar="FILE",
+                        help="after the checks, torch.compiler.save_cache_artifacts into FILE (CUDA only): "
+                             "tools/gpu_race.py --load-cache FILE then compiles the training graph from it")
     args = parser.parse_args(argv)
+    if args.save_cache is not None and (args.dry_run or not args.save_cache.parent.is_dir()):
+        parser.error(f"--save-cache {args.save_cache}: " + ("the dry run compiles nothing" if args.dry_run else
+                                                            "its folder does not exist"))
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device; pass --dry-run to check the script on the CPU")
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
@@ -123,6 +130,9 @@ def main(argv=None):
     if late:
         print(f"rerun the checks skipped at the deadline: tools/gpu_smoke.sh{' --dry-run' if args.dry_run else ''} "
               f"--only {','.join(late)}", flush=True)
+    if args.save_cache is not None:
+        from gpu_race import save_compile_cache
+        print(save_compile_cache(args.save_cache), flush=True)
     for line in summary_lines(counts, failures, time.perf_counter() - start, plan.budget_s()):
         print(line, flush=True)
     return 1 if failures else 0

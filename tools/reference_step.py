@@ -303,10 +303,12 @@ def split_log(text, source="the log"):
 
 
 class _Rewrite(ast.NodeTransformer):
-    """Drops torch.compile decorators, renames the custom-op namespace, makes `.cuda()` the identity."""
+    """Drops torch.compile decorators, renames the custom-op namespace, makes `.cuda()` the identity
+    (the decorators and `.cuda()` stay with keep_compile and keep_cuda: a real run on a GPU,
+    tools/gpu_race.py)."""
 
-    def __init__(self, namespace):
-        self.namespace = namespace
+    def __init__(self, namespace, keep_compile=False, keep_cuda=False):
+        self.namespace, self.keep_compile, self.keep_cuda = namespace, keep_compile, keep_cuda
 
     @staticmethod
     def _is_compile(node):
@@ -314,7 +316,8 @@ class _Rewrite(ast.NodeTransformer):
         return ast.unparse(target) in ("torch.compile", "compile")
 
     def visit_FunctionDef(self, node):
-        node.decorator_list = [d for d in node.decorator_list if not self._is_compile(d)]
+        if not self.keep_compile:
+            node.decorator_list = [d for d in node.decorator_list if not self._is_compile(d)]
         return self.generic_visit(node)
 
     def visit_Constant(self, node):
@@ -330,7 +333,9 @@ class _Rewrite(ast.NodeTransformer):
 
     def visit_Call(self, node):
         self.generic_visit(node)
-        if isinstance(node.func, ast.Attribute) and node.func.attr == "cuda" and not node.args and not node.keywords:
+        call = node.func
+        if (isinstance(call, ast.Attribute) and call.attr == "cuda" and not node.args
+                and not node.keywords and not self.keep_cuda):
             return node.func.value
         return node
 
@@ -377,12 +382,15 @@ def _cuda_properties():
 
 
 def _padded_backward(backward):
-    """A backward returning fewer gradients than its Function has inputs, padded with None: the compiled run
-    (dynamo) accepts the short tuple, eager autograd does not."""
+    """A backward returning fewer gradients than its Function has inputs, padded with None (or
+    more, the extra Nones dropped): the compiled run (dynamo) accepts such a tuple, eager autograd
+    does not."""
     def padded(ctx, *grads):
         result = backward(ctx, *grads)
         result = result if isinstance(result, tuple) else (result,)
-        return result + (None,) * (len(ctx.needs_input_grad) - len(result))
+        inputs = len(ctx.needs_input_grad)
+        assert all(g is None for g in result[inputs:]), "a backward with gradients past its inputs"
+        return result[:inputs] + (None,) * (inputs - len(result))
     return padded
 
 
@@ -390,8 +398,12 @@ class Reference:
     """The record's definitions (`module`) and how to build and step its model on fake tensors. Load it under
     the FakeTensorMode and process group of the trace: its schedule makes tensors at import."""
     loads = 0
+    rewrite_options = {}  # _Rewrite's keep_compile and keep_cuda
 
-    def __init__(self, log_path, world_size, attention_op):
+    def __init__(self, log_path, world_size, attention_op, micro_steps=None, sizes=None):
+        """micro_steps: one rank's micro-steps per step (default the script's 8 // world_size);
+        sizes: the model's GPT(...) keywords and `args` fields to change (smaller models:
+        tools/gpu_race.py's dry run)."""
         with open(log_path, encoding="utf-8") as f:
             text = f.read()
         script, kernels = split_log(text, log_path)
@@ -400,6 +412,7 @@ class Reference:
                            f"not {world_size}")
         Reference.loads += 1  # custom ops stay registered for the process: a namespace per load
         self.namespace, self.world_size = f"reference{Reference.loads}", world_size
+        self.micro_steps, self.sizes = micro_steps or 8 // world_size, dict(sizes or {})
         # the files live as long as this object: tracebacks through the reference's code show its lines
         self._folder = tempfile.TemporaryDirectory(prefix="step_cost_reference_")
         paths = {}
@@ -415,7 +428,8 @@ class Reference:
             return ast.parse(f.read(), filename=path)
 
     def _exec(self, tree, module, path):
-        tree = ast.fix_missing_locations(_Rewrite(self.namespace).visit(tree))
+        rewrite = _Rewrite(self.namespace, **self.rewrite_options)
+        tree = ast.fix_missing_locations(rewrite.visit(tree))
         exec(compile(tree, path, "exec"), module.__dict__)
 
     def _load_kernels(self, path):
@@ -442,23 +456,59 @@ class Reference:
                         raise LogError(f"the reference imports {alias.name} from triton_kernels.py, which has no "
                                        "stand-in here")
                     setattr(module, alias.asname or alias.name, getattr(self.kernels, alias.name))
-        module.get_kernel = lambda *args, **kwargs: FlashAttention3(attention_op)
-        module.__dict__.update(rank=0, world_size=self.world_size, grad_accum_steps=8 // self.world_size,
-                               grad_scale=1 / (8 // self.world_size), device=torch.device("cpu"),
-                               master_process=True)
+        module.get_kernel = lambda *args, **kwargs: self.flash_attention(attention_op)
+        module.__dict__.update(rank=0, world_size=self.world_size, master_process=True,
+                               grad_accum_steps=self.micro_steps, grad_scale=1 / self.micro_steps,
+                               device=self.device())
         model_code = ast.Module(body=_model_statements(tree), type_ignores=[])
         tree.body = [n for n in tree.body if _kept(n)]
         self._exec(tree, module, path)
+        self._resize(module, model_code)
         return module, model_code
+
+    def flash_attention(self, attention_op):
+        """What `get_kernel('kernels-community/flash-attn3', ...)` returns: the ledger's
+        stand-in."""
+        return FlashAttention3(attention_op)
+
+    def device(self):
+        """The script's `device`: the CPU, which holds the trace's fake tensors."""
+        return torch.device("cpu")
+
+    def _resize(self, module, model_code):
+        """self.sizes into the model statement's GPT(...) keywords and the script's `args`
+        fields."""
+        keywords = {k.arg: k for n in ast.walk(model_code) if isinstance(n, ast.Call)
+                    and ast.unparse(n.func) == "GPT" for k in n.keywords}
+        for name, value in self.sizes.items():
+            if name in keywords:
+                keywords[name].value = ast.Constant(value)
+            elif hasattr(module.args, name):
+                setattr(module.args, name, value)
+            else:
+                raise LogError(f"size {name!r} is neither a keyword of the log's GPT(...) nor a "
+                               "field of its args")
+
+    @staticmethod
+    def _fit_weight_amax(model):
+        """The down projections' per-tile amax buffer at the model's size: the log makes it
+        (12, 576), the count of 64 x 64 tiles of a 3,072 x 768 matrix, which
+        quantize_transpose_mlp_down_weights asserts."""
+        hidden, dim = model.mlp_bank.shape[-2:]
+        tiles = _tiles(hidden, 64) * _tiles(dim, 64)
+        buffer = model._mlp_down_weight_partial_amax
+        if buffer.shape[1] != tiles:
+            model._mlp_down_weight_partial_amax = buffer.new_empty(buffer.shape[0], tiles)
 
     def build(self):
         """(model, training manager): the script's GPT(...) and casts, quantize_mlp_fp8(bootstrap_down=True) and
         TrainingManager(model), under the caller's fake modes and process group."""
         namespace = dict(self.module.__dict__)
         with _cuda_properties():
-            exec(compile(ast.fix_missing_locations(_Rewrite(self.namespace).visit(self._model_code)),
-                         self.module.__file__, "exec"), namespace)
+            code = _Rewrite(self.namespace, **self.rewrite_options).visit(self._model_code)
+            exec(compile(ast.fix_missing_locations(code), self.module.__file__, "exec"), namespace)
         model = namespace["model"]
+        self._fit_weight_amax(model)
         model.quantize_mlp_fp8(bootstrap_down=True)
         self.module.model = model  # TrainingManager.sparse_index_share reads the global
         return model, self.module.TrainingManager(model)

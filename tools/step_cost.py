@@ -544,15 +544,19 @@ def fake_group(world_size):
         torch.distributed.destroy_process_group()
 
 
-def reference_stage_costs(log_path, world_size, peaks, stages=range(4), tokens_per_rank=None):
+def reference_stage_costs(log_path, world_size, peaks, stages=range(4), tokens_per_rank=None,
+                          micro_steps=None, sizes=None):
     """StageCost of each of `stages` of the reference's own step (tools/reference_step.py), traced as ours is:
     rank 0 of world_size on fake tensors, each stage's even step (no Adam) and odd step (Adam, its gradients
-    summed over both steps) weighed by their counts. tokens_per_rank replaces the stages' batches (tests)."""
+    summed over both steps) weighed by their counts. tokens_per_rank replaces the stages' batches
+    (tests), micro_steps the micro-steps per step and sizes the model's sizes (Reference's;
+    tools/gpu_race.py)."""
     fake, ledger = FakeTensorMode(), Ledger(world_size)
     costs = []
     with fake_group(world_size), fake, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecation notices of the reference's collectives
-        reference = reference_step.Reference(log_path, world_size, attention_op)
+        reference = reference_step.Reference(log_path, world_size, attention_op, micro_steps,
+                                             sizes)
         model, manager = reference.build()
         for t in [*model.parameters(), *model.buffers()]:
             ledger.track(t)
