@@ -147,12 +147,12 @@ def our_trainer(hp, device, batch):
     # Trainer.__init__ opens data and logs, which a race has none of
     trainer = object.__new__(tg.Trainer)
     trainer.hp, trainer.device, trainer.world_size, trainer.rank = hp, device, 1, 0
-    trainer.backend = tg.backend_for(hp, device, tg.grad_accum_steps(hp, 1))
+    # one micro-step per step, as each GPU of the 8-GPU run: the FP8 gradient scale of accumulation 1
+    trainer.backend = tg.backend_for(hp, device, 1)
     trainer.model, trainer.forward = tg.start_model(hp, trainer.backend, device, 1)
-    trainer.fp8_mlp = trainer.model.fp8_mlp if trainer.model.mlp_in_fp8 else None
-    trainer.matrix_opt, trainer.adam = tg.make_optimizers(trainer.model, hp)
+    trainer.matrix_opt, trainer.adam = tg.make_optimizers(trainer.model, hp, trainer.backend)
     trainer.schedule = tg.Schedule(hp, device)
-    trainer.loader, trainer.accum, trainer.prior = OneBatch(batch), 1, None
+    trainer.loader, trainer.accum = OneBatch(batch), 1
     trainer.stop, trainer.tokens_seen = tg.StopSignals(), 0
     return trainer
 
