@@ -105,11 +105,14 @@ BAD_FLAGS = [
     (["--cycle_data", "perhaps"], "--cycle_data"),
     (["--profile", "5:2"], "--profile"),
     # negative values in scientific or START:END notation reach the range checks (not "expected one argument")
-    (["--shampoo_lr", "-1e-3"], "--shampoo_lr must be positive, got -0.001"),
+    (["--matrix_optimizer", "shampoo", "--shampoo_lr", "-1e-3"], "--shampoo_lr must be positive, got -0.001"),
     (["--profile", "-1:2"], "--profile must look like START:END"),
     (["--muon_momentum", "-1e-2", "0.9"], "--muon_momentum must be in [0, 1)"),
     (["--run_id=-rf"], "--run_id may hold"),
-    (["--factor_dtype", "fp16"], "--factor_dtype must be one of fp32, bf16"),
+    (["--matrix_optimizer", "soap", "--factor_dtype", "fp16"], "--factor_dtype must be one of fp32, bf16"),
+    # track 3's flags come with its optimizers (track3.py)
+    (["--shampoo_lr", "0.1"], "unrecognized arguments: --shampoo_lr 0.1; track 3's flags need --matrix_optimizer"),
+    (["--matrix_optimizer", "lion"], "--matrix_optimizer must be normuon or one of track3.py's shampoo, soap, adamw"),
     # a cap of 1 ran thousands of forwards per step (no step in 12 minutes); 128 is one attention tile
     (["--micro_batch_tokens", "1"], "--micro_batch_tokens 1 is below 128, the smallest cap"),
     (["--micro_batch_tokens", "127"], "--micro_batch_tokens 127 is below 128"),
