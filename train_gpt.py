@@ -1100,6 +1100,9 @@ class Backend(NamedTuple):
     # NorMuon's gradients and new weights then travel in bf16
     polar: dict  # polar_express's options: GPU_POLAR_EXPRESS (Triton, bf16) or CPU_POLAR_EXPRESS
     compile_math: bool  # the optimizers' pointwise math compiled (fused), as the reference (GPU)
+    # micro-steps per optimizer step, the one place the accumulation is said: GPT.loss divides the
+    # training loss by it; on the GPU the FP8 gradient scale and the loss's grad_scale follow it
+    grad_accum: int
 
 
 class GPT(nn.Module):
@@ -1121,6 +1124,7 @@ class GPT(nn.Module):
         self.use_mudd = hp.mudd_dim > 0
         self.attention, self.head_loss, self.fp8_head_scales = (
             backend.attention, backend.head_loss, backend.fp8_scales)
+        self.grad_accum = backend.grad_accum
         # FP8 copies and scales of the MLP weights, used in training where the head is in FP8 (the
         # scales are in every checkpoint: one written on a GPU resumes on a CPU and back)
         self.fp8_mlp = FP8MLPWeights(L, 4 * D, D) if hp.fp8_mlp else None
@@ -1308,11 +1312,14 @@ class GPT(nn.Module):
         return norm(x)
 
     def loss(self, x, input_seq, target_seq, mtp_weights=None, loss_mask=None):
-        """The head's loss on the trunk's output: summed in training (the step's mtp_weights, a
-        piece's loss_mask), else the mean next-token loss (summed over a piece's loss_mask)."""
-        return self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training,
+        """The head's loss on the trunk's output: in training summed (the step's mtp_weights, a
+        piece's loss_mask) and divided by the micro-steps per step, so that the micro-steps'
+        gradients add up to the step's; else the mean next-token loss (summed over a piece's
+        loss_mask)."""
+        loss = self.head_loss(x, self.lm_head.weight, target_seq.long(), self.training,
                               self.fp8_head_scales, self.softcap, mtp_weights, loss_mask,
                               inputs=input_seq)
+        return loss / self.grad_accum if self.training else loss
 
     def forward(self, input_seq, target_seq, cu_seqlens, window_blocks, bigram_ids=None,
                 mtp_weights=None, positions=None, loss_mask=None):
@@ -1518,10 +1525,20 @@ def horizon_masks(targets, loss_mask, n_horizons):
     return masks
 
 
-def softcap_loss_sums(logits, targets, n_horizons, softcap, start, stop, masks=None):
+def training_sigmoid(logits, softcap, start, stop):
+    """The softcap's sigmoid of rows [start, stop) of the logits as training computes it (rounded to
+    bf16 with round_sigmoid): softcapped's, before its scale."""
+    z = logits[start:stop].float()
+    if softcap.offset:
+        z = z + softcap.offset
+    s = torch.sigmoid(z / SOFTCAP_WIDTH)
+    return round_to_bf16(s) if softcap.round_sigmoid else s
+
+
+def softcap_loss_sums(logits, targets, n_horizons, softcap, start, stop, masks=None, s=None):
     """Each horizon's summed loss over rows [start, stop) of the logits (softcapped as in
-    training); with a piece's horizon_masks, over the terms they mark."""
-    z = softcapped(logits[start:stop], softcap, training=True)
+    training); with a piece's horizon_masks, over the terms they mark; s: their training_sigmoid."""
+    z = softcapped(logits[start:stop], softcap, training=True) if s is None else softcap.scale * s
     lse = torch.logsumexp(z, dim=-1)
     sums = {}
     for k, rows in horizon_rows(n_horizons, start, stop, logits.size(0)):
@@ -1532,19 +1549,15 @@ def softcap_loss_sums(logits, targets, n_horizons, softcap, start, stop, masks=N
 
 
 def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total, grad_s,
-                      masks=None):
+                      masks=None, s=None):
     """d loss / d logits of rows [start, stop), / grad_s, cast to e5m2, in the rounding order of
-    #89's loss kernel: the sigmoid s (rounded to bf16 with round_sigmoid, that stored value used
-    from then on), z = scale s, p = exp(z - lse) with lse = max + log(sum exp(z - max)),
+    #89's loss kernel: the sigmoid s (training_sigmoid, that stored value used from then on),
+    z = scale s, p = exp(z - lse) with lse = max + log(sum exp(z - max)),
     dz = p sum_k w_k - sum_k w_k onehot(t + k), then (grad_total (scale / SOFTCAP_WIDTH) / grad_s)
     dz s (1 - s) in fp32, left to right, and one saturating cast to e5m2; with horizon_masks, only
     the terms they mark. (The kernel's fast-math sigmoid, exp, log differ in the last fp32 bits.)"""
-    z = logits[start:stop].float()
-    if softcap.offset:
-        z = z + softcap.offset
-    s = torch.sigmoid(z / SOFTCAP_WIDTH)
-    if softcap.round_sigmoid:
-        s = round_to_bf16(s)
+    if s is None:
+        s = training_sigmoid(logits, softcap, start, stop)
     capped = softcap.scale * s
     top = capped.amax(dim=-1, keepdim=True)
     lse = top + torch.exp(capped - top).sum(dim=-1, keepdim=True).log()
@@ -1568,66 +1581,70 @@ def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total
 
 
 class FP8SoftcapLoss(torch.autograd.Function):
-    """The FP8 head and its softcapped (multi-token) loss in one op, summed over tokens. Forward
-    keeps only the bf16 logits (the loss runs FUSED_LOSS_ROWS rows at a time); backward computes the
-    logits' gradient and grad_x per row block, writing the gradient once, as the column-major e5m2
-    tensor grad_w's _scaled_mm takes. The loss matches head_matmul, softcapped and multi_token_loss
-    to fp32 rounding; the gradient rounds as #89's kernel (softcap_loss_grad), unlike autograd in
-    about 2 % of the e5m2 entries."""
+    """The FP8 head and its softcapped (multi-token) loss in one op, summed over tokens. As #89's
+    loss kernel, the forward also makes the logits' gradient, as the e5m2 tensor the FP8 backward
+    multiplies: the gradient the loss will get (grad_scale, the Backend's 1 / accumulation steps) is
+    known before the backward, so each block of FUSED_LOSS_ROWS rows gives its loss terms and its
+    e5m2 gradient from one read of its logits, and the logits die with the forward. The backward is
+    one FP8 GEMM for grad_x and one for grad_w (from the gradient's transposed copy); a gradient
+    other than grad_scale scales both by its ratio (1 in training). The loss matches head_matmul,
+    softcapped and multi_token_loss to fp32 rounding; the gradient rounds as #89's kernel
+    (softcap_loss_grad), unlike autograd in about 2 % of the e5m2 entries."""
 
     @staticmethod
-    def forward(ctx, x, w, targets, weights, fp8_scales, softcap, masks):
+    def forward(ctx, x, w, targets, weights, fp8_scales, softcap, masks, grad_scale):
         logits, x_f8, w_f8 = mm_fp8(x, w, *fp8_scales)
-        sums = {}
-        for start in range(0, logits.size(0), FUSED_LOSS_ROWS):
-            chunk = softcap_loss_sums(logits, targets, weights.numel(), softcap, start,
-                                      start + FUSED_LOSS_ROWS, masks)
+        n, grad_s = logits.size(0), fp8_scales[2]
+        announced = logits.new_tensor(grad_scale, dtype=torch.float32)
+        sums, blocks = {}, []
+        for start in range(0, n, FUSED_LOSS_ROWS):
+            stop = min(n, start + FUSED_LOSS_ROWS)
+            s = training_sigmoid(logits, softcap, start, stop)  # one pass over the block's logits
+            chunk = softcap_loss_sums(logits, targets, weights.numel(), softcap, start, stop,
+                                      masks, s)
             for k, value in chunk.items():
                 sums[k] = sums[k] + value if k in sums else value
+            blocks.append(softcap_loss_grad(logits, targets, weights, softcap, start, stop,
+                                            announced, grad_s, masks, s))
         total = logits.new_zeros((), dtype=torch.float32)
         for k, value in sums.items():
             total = total + weights[k] * value
-        ctx.save_for_backward(logits, x_f8, w_f8, targets, weights, masks)
-        ctx.scales, ctx.softcap, ctx.w_dtype = fp8_scales, softcap, w.dtype
+        ctx.save_for_backward(torch.cat(blocks), x_f8, w_f8)
+        ctx.scales, ctx.grad_scale, ctx.w_dtype = fp8_scales, grad_scale, w.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        logits, x_f8, w_f8, targets, weights, masks = ctx.saved_tensors
+        g_f8, x_f8, w_f8 = ctx.saved_tensors
         x_s, w_s, grad_s = ctx.scales
-        n, vocab = logits.shape
-        # the logits' gradient, transposed; zeros, not empty: Inductor inlines an empty buffer's
-        # value as NaN, a float8 constant Triton 3.6 cannot build (the fill costs one write)
-        grad_t = logits.new_zeros((vocab, n), dtype=torch.float8_e5m2)
-        grad_x = logits.new_empty((n, x_f8.size(1)))
+        # grad_s, times the gradient's ratio to the announced one (1 in training)
+        g_scale = grad_total.float() / ctx.grad_scale * grad_s
         w_col = w_f8.T.contiguous().T  # _scaled_mm wants its second operand column-major
-        scale = functools.partial(logits.new_tensor, dtype=torch.float32)
-        for start in range(0, n, FUSED_LOSS_ROWS):
-            stop = min(n, start + FUSED_LOSS_ROWS)
-            g_f8 = softcap_loss_grad(logits, targets, weights, ctx.softcap, start, stop, grad_total,
-                                     grad_s, masks)
-            grad_x[start:stop] = torch._scaled_mm(g_f8, w_col, out_dtype=torch.bfloat16,
-                                                  scale_a=scale(grad_s), scale_b=scale(w_s),
-                                                  use_fast_accum=False)
-            grad_t[:, start:stop] = g_f8.T
-        # as (x_f8.T @ g_f8).T: the faster orientation for the head's (50304, 768) weight
+        scale = functools.partial(g_f8.new_tensor, dtype=torch.float32)
+        grad_x = torch._scaled_mm(g_f8, w_col, out_dtype=torch.bfloat16, scale_a=g_scale,
+                                  scale_b=scale(w_s), use_fast_accum=False)
+        # as (x_f8.T @ g_f8).T: the faster orientation for the head's (50304, 768) weight; the
+        # transposed copy is _scaled_mm's column-major operand
+        grad_t = g_f8.T.contiguous()
         grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_t.T, out_dtype=torch.float32,
-                                  scale_a=scale(x_s), scale_b=scale(grad_s), use_fast_accum=False).T
-        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None
+                                  scale_a=scale(x_s), scale_b=g_scale, use_fast_accum=False).T
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, None
 
 
 def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None,
-                          loss_mask=None, inputs=None):
+                          loss_mask=None, inputs=None, grad_scale=1.0):
     """The head and its loss on the GPU path: in training summed over tokens (next-token, or
-    multi-token with the step's mtp_weights; the caller divides by the accumulation steps); in
-    validation the mean next-token loss in fp32 (with a piece's loss_mask: the sum over it). In
-    FP8, head and loss are one op (FP8SoftcapLoss); else the compiled graph fuses the softcap.
-    (`inputs`, the sequence's tokens, are for the CPU loss's n-gram prior.)"""
+    multi-token with the step's mtp_weights; GPT.loss divides by the accumulation steps, and
+    grad_scale, the gradient the loss will get, says so); in validation the mean next-token loss in
+    fp32 (with a piece's loss_mask: the sum over it). In FP8, head and loss are one op
+    (FP8SoftcapLoss); else the compiled graph fuses the softcap. (`inputs`, the sequence's tokens,
+    are for the CPU loss's n-gram prior.)"""
     if training and fp8_scales is not None:
         weights = x.new_ones(1, dtype=torch.float32) if mtp_weights is None else mtp_weights
         flat, targets = x.reshape(-1, x.shape[-1]).to(torch.bfloat16), targets.reshape(-1)
         masks = None if loss_mask is None else horizon_masks(targets, loss_mask, weights.numel())
-        return FP8SoftcapLoss.apply(flat, weight, targets, weights, fp8_scales, softcap, masks)
+        return FP8SoftcapLoss.apply(flat, weight, targets, weights, fp8_scales, softcap, masks,
+                                    grad_scale)
     if training:
         z = softcapped(head_matmul(x, weight, fp8_scales), softcap, training=True)
         if loss_mask is not None:
@@ -1757,22 +1774,25 @@ def uses_fp8(hp, device, fp8_hardware=None):
 
 
 def backend_for(hp, device, accum=1, fp8_hardware=None, attention=None, prior=None):
-    """A run's Backend on `device`: on CUDA FlexAttention, the fused softcapped loss, bf16
-    embeddings and gates, and if uses_fp8 the FP8 head and MLP (gradient scale / `accum`, as
-    #89's loss); on a CPU the fp32 fallbacks. `attention` replaces the attention (tools' traces)."""
+    """A run's Backend on `device` for `accum` micro-steps per step: on CUDA FlexAttention, the
+    fused softcapped loss (told its gradient, 1 / accum), bf16 embeddings and gates, and if
+    uses_fp8 the FP8 head and MLP (gradient scale / accum, as #89's loss); on a CPU the fp32
+    fallbacks, with --ngram_prior's `prior` in the loss. `attention` replaces the attention (the
+    tools' traces)."""
     if device.type != "cuda":
         uses_fp8(hp, device)
         loss = chunked_softcap_cross_entropy if prior is None else \
             functools.partial(chunked_softcap_cross_entropy, prior=prior)
         return Backend(attention or TiledWindowAttention(), loss, None, False, False,
-                       CPU_POLAR_EXPRESS, False)
+                       CPU_POLAR_EXPRESS, False, accum)
     if hp.ngram_prior:
         raise ConfigError("--ngram_prior needs the CPU loss path (the GPU losses add no prior); "
                           "use --device cpu or --ngram_prior 0")
     fp8 = uses_fp8(hp, device, fp8_hardware)
     return Backend(attention or FlexWindowAttention(compile_kernel=not hp.compile),
-                   softcap_cross_entropy, head_fp8_scales(hp.head_fp8_amax, accum) if fp8 else None,
-                   True, True, GPU_POLAR_EXPRESS, hp.compile)
+                   functools.partial(softcap_cross_entropy, grad_scale=1 / accum),
+                   head_fp8_scales(hp.head_fp8_amax, accum) if fp8 else None,
+                   True, True, GPU_POLAR_EXPRESS, hp.compile, accum)
 
 
 def build_model(hp, device, accum=1):
@@ -2754,10 +2774,10 @@ def step_line(step, total_steps, ms, val_loss=None):
 def open_data(hp, schedule, rank, world_size, device, accum, log):
     """(training loader, validation tokens, validation files); all shards checked before work."""
     if hp.micro_batch_tokens:
-        log(f"micro_batch_tokens {hp.micro_batch_tokens}: micro-steps of "
-            f"{describe_pieces(micro_step_pieces(hp, schedule.stages, world_size, accum))} (documents in order, "
-            f"at most {hp.micro_batch_tokens} tokens a piece, with the previous document and 2 "
-            f"targets of context, padded)")
+        pieces = describe_pieces(micro_step_pieces(hp, schedule.stages, world_size, accum))
+        log(f"micro_batch_tokens {hp.micro_batch_tokens}: micro-steps of {pieces} (documents in "
+            f"order, at most {hp.micro_batch_tokens} tokens a piece, with the previous document and "
+            f"2 targets of context, padded)")
     train_pattern, val_pattern, data_description = resolve_data(hp, rank)
     log(f"data: {data_description}")
     val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
@@ -2898,11 +2918,12 @@ class Trainer:
         totals = torch.zeros(2, device=self.device)
         total, stop_votes = totals.unbind()
         for _ in range(self.accum):
-            # the training loss is a sum over tokens: the pieces' losses add up to the micro-step's
+            # the training loss is a sum over tokens (divided by the micro-steps: GPT.loss), so
+            # the pieces' losses add up to the micro-step's
             for batch in self.loader.next_pieces(rank_tokens, plan.max_seq_len, piece_cap(self.hp)):
                 loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens,
                                     plan.window_tensor, batch.bigram_ids, plan.mtp_weights,
-                                    batch.positions, batch.loss_mask) / self.accum
+                                    batch.positions, batch.loss_mask)
                 loss.backward()
                 total += loss.detach()
         if self.stop.received:
