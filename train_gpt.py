@@ -1963,10 +1963,20 @@ def horizon_masks(targets, loss_mask, n_horizons):
     return masks
 
 
-def softcap_loss_sums(logits, targets, n_horizons, softcap, start, stop, masks=None):
+def training_sigmoid(logits, softcap, start, stop):
+    """The softcap's sigmoid of the rows [start, stop) of the logits as training computes it (rounded to
+    bf16 with a rounded sigmoid): softcapped's, before its scale."""
+    z = logits[start:stop].float()
+    if softcap.offset:
+        z = z + softcap.offset
+    s = torch.sigmoid(z / SOFTCAP_WIDTH)
+    return round_to_bf16(s) if softcap.round_sigmoid else s
+
+
+def softcap_loss_sums(logits, targets, n_horizons, softcap, start, stop, masks=None, s=None):
     """Each horizon's summed loss over the rows [start, stop) of the logits (softcapped as in training);
-    with a piece's horizon_masks, over the terms they mark."""
-    z = softcapped(logits[start:stop], softcap, training=True)
+    with a piece's horizon_masks, over the terms they mark; s: their training_sigmoid, when made."""
+    z = softcapped(logits[start:stop], softcap, training=True) if s is None else softcap.scale * s
     lse = torch.logsumexp(z, dim=-1)
     sums = {}
     for k, rows in horizon_rows(n_horizons, start, stop, logits.size(0)):
@@ -1975,19 +1985,17 @@ def softcap_loss_sums(logits, targets, n_horizons, softcap, start, stop, masks=N
     return sums
 
 
-def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total, grad_s, masks=None):
+def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total, grad_s, masks=None,
+                      s=None):
     """d loss / d logits of the rows [start, stop), divided by grad_s and cast to e5m2, in the order of rounding
     of record #89's loss kernel: the sigmoid s (rounded to bf16 with a rounded sigmoid, and that stored value
     used everywhere after), z = scale s, p = exp(z - lse) with lse = max + log(sum exp(z - max)),
     dz = p sum_k w_k - sum_k w_k onehot(t + k), then (grad_total (scale / SOFTCAP_WIDTH) / grad_s) dz s (1 - s)
     in fp32, left to right, and one saturating cast to e5m2; with a piece's horizon_masks, only the terms they
-    mark. (The kernel's fast-math sigmoid, exp and log round differently in the last fp32 bits.)"""
-    z = logits[start:stop].float()
-    if softcap.offset:
-        z = z + softcap.offset
-    s = torch.sigmoid(z / SOFTCAP_WIDTH)
-    if softcap.round_sigmoid:
-        s = round_to_bf16(s)
+    mark; s: their training_sigmoid, when made. (The kernel's fast-math sigmoid, exp and log round
+    differently in the last fp32 bits.)"""
+    if s is None:
+        s = training_sigmoid(logits, softcap, start, stop)
     capped = softcap.scale * s
     top = capped.amax(dim=-1, keepdim=True)
     lse = top + torch.exp(capped - top).sum(dim=-1, keepdim=True).log()
@@ -2009,62 +2017,68 @@ def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total
 
 
 class FP8SoftcapLoss(torch.autograd.Function):
-    """The FP8 head and its softcapped (multi-token) loss in one op, summed over tokens: the forward keeps
-    only the bf16 logits (the loss runs over FUSED_LOSS_ROWS rows at a time); the backward writes the
-    logits' gradient once, as the e5m2 tensor the FP8 backward multiplies (column-major, as grad_w's
-    _scaled_mm takes it), computing it and grad_x one row block at a time. Same loss as autograd through
-    head_matmul, softcapped and multi_token_loss, to fp32 rounding; the logits' gradient rounds in record #89's
-    kernel's order (softcap_loss_grad), which differs from autograd's in about 2 % of the e5m2 entries."""
+    """The FP8 head and its softcapped (multi-token) loss in one op, summed over tokens. As record
+    #89's loss kernel, the forward also makes the logits' gradient, as the e5m2 tensor the FP8
+    backward multiplies: the gradient the loss will get (grad_scale: the caller's 1 / accumulation
+    steps) is known before the backward, so each block of FUSED_LOSS_ROWS rows yields its loss terms
+    and its e5m2 gradient from one read of its logits, and the logits die with the forward. The
+    backward makes grad_x with one FP8 GEMM, and grad_w from the gradient's transposed copy; a
+    gradient other than grad_scale scales both GEMMs by its ratio (exactly 1 in training). Same loss
+    as autograd through head_matmul, softcapped and multi_token_loss, to fp32 rounding; the logits'
+    gradient rounds in record #89's kernel's order (softcap_loss_grad), which differs from
+    autograd's in about 2 % of the e5m2 entries."""
 
     @staticmethod
-    def forward(ctx, x, w, targets, weights, fp8_scales, softcap, masks):
+    def forward(ctx, x, w, targets, weights, fp8_scales, softcap, masks, grad_scale):
         logits, x_f8, w_f8 = mm_fp8(x, w, *fp8_scales)
-        sums = {}
-        for start in range(0, logits.size(0), FUSED_LOSS_ROWS):
-            chunk = softcap_loss_sums(logits, targets, weights.numel(), softcap, start, start + FUSED_LOSS_ROWS,
-                                      masks)
+        n, grad_s = logits.size(0), fp8_scales[2]
+        announced = logits.new_tensor(grad_scale, dtype=torch.float32)
+        sums, blocks = {}, []
+        for start in range(0, n, FUSED_LOSS_ROWS):
+            stop = min(n, start + FUSED_LOSS_ROWS)
+            s = training_sigmoid(logits, softcap, start, stop)  # one pass over the block's logits
+            chunk = softcap_loss_sums(logits, targets, weights.numel(), softcap, start, stop, masks, s)
             for k, value in chunk.items():
                 sums[k] = sums[k] + value if k in sums else value
+            blocks.append(softcap_loss_grad(logits, targets, weights, softcap, start, stop,
+                                            announced, grad_s, masks, s))
         total = logits.new_zeros((), dtype=torch.float32)
         for k, value in sums.items():
             total = total + weights[k] * value
-        ctx.save_for_backward(logits, x_f8, w_f8, targets, weights, masks)
-        ctx.scales, ctx.softcap, ctx.w_dtype = fp8_scales, softcap, w.dtype
+        ctx.save_for_backward(torch.cat(blocks), x_f8, w_f8, announced)
+        ctx.scales, ctx.w_dtype = fp8_scales, w.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        logits, x_f8, w_f8, targets, weights, masks = ctx.saved_tensors
+        g_f8, x_f8, w_f8, announced = ctx.saved_tensors
         x_s, w_s, grad_s = ctx.scales
-        n, vocab = logits.shape
-        # the logits' gradient, transposed; zeros, not empty: Inductor inlines an empty buffer's value as NaN,
-        # a float8 constant Triton 3.6 cannot build (the fill costs one write of the buffer)
-        grad_t = logits.new_zeros((vocab, n), dtype=torch.float8_e5m2)
-        grad_x = logits.new_empty((n, x_f8.size(1)))
+        # grad_s, times the gradient's ratio to the announced one (1 in training)
+        g_scale = grad_total.float() / announced * grad_s
         w_col = w_f8.T.contiguous().T  # _scaled_mm wants its second operand column-major
-        scale = functools.partial(logits.new_tensor, dtype=torch.float32)
-        for start in range(0, n, FUSED_LOSS_ROWS):
-            stop = min(n, start + FUSED_LOSS_ROWS)
-            g_f8 = softcap_loss_grad(logits, targets, weights, ctx.softcap, start, stop, grad_total, grad_s, masks)
-            grad_x[start:stop] = torch._scaled_mm(g_f8, w_col, out_dtype=torch.bfloat16, scale_a=scale(grad_s),
-                                                  scale_b=scale(w_s), use_fast_accum=False)
-            grad_t[:, start:stop] = g_f8.T
+        scale = functools.partial(g_f8.new_tensor, dtype=torch.float32)
+        grad_x = torch._scaled_mm(g_f8, w_col, out_dtype=torch.bfloat16, scale_a=g_scale,
+                                  scale_b=scale(w_s), use_fast_accum=False)
         # computed as (x_f8.T @ g_f8).T: for the head's (50304, 768) weight that orientation is the faster one
-        grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_t.T, out_dtype=torch.float32, scale_a=scale(x_s),
-                                  scale_b=scale(grad_s), use_fast_accum=False).T
-        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None
+        grad_t = g_f8.T.contiguous()  # the transposed copy: _scaled_mm's column-major operand
+        grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_t.T, out_dtype=torch.float32,
+                                  scale_a=scale(x_s), scale_b=g_scale, use_fast_accum=False).T
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, None
 
 
-def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None, loss_mask=None):
+def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None,
+                          loss_mask=None, grad_scale=1.0):
     """The head and its loss on the GPU path: summed over tokens in training (the next-token loss, or
-    the multi-token loss with the step's mtp_weights; the caller divides by the accumulation steps),
-    the mean next-token loss in fp32 for validation (a validation piece's loss_mask: the sum over it). In FP8, head and loss are one op (FP8SoftcapLoss);
-    otherwise the compiled graph fuses the softcap."""
+    the multi-token loss with the step's mtp_weights; the caller divides by the accumulation steps,
+    and says so in grad_scale, the gradient the loss will get), the mean next-token loss in fp32 for
+    validation (a validation piece's loss_mask: the sum over it). In FP8, head and loss are one op
+    (FP8SoftcapLoss); otherwise the compiled graph fuses the softcap."""
     if training and fp8_scales is not None:
         weights = x.new_ones(1, dtype=torch.float32) if mtp_weights is None else mtp_weights
         flat, targets = x.reshape(-1, x.shape[-1]).to(torch.bfloat16), targets.reshape(-1)
         masks = None if loss_mask is None else horizon_masks(targets, loss_mask, weights.numel())
-        return FP8SoftcapLoss.apply(flat, weight, targets, weights, fp8_scales, softcap, masks)
+        return FP8SoftcapLoss.apply(flat, weight, targets, weights, fp8_scales, softcap, masks,
+                                    grad_scale)
     if training:
         z = softcapped(head_matmul(x, weight, fp8_scales), softcap, training=True)
         if loss_mask is not None:
@@ -2383,7 +2397,8 @@ def backend_for(hp, device, accum=1, fp8_hardware=None, attention=None):
         raise ConfigError("--ngram_prior needs the CPU loss path (the GPU losses add no prior); use --device cpu or "
                           "--ngram_prior 0")
     fp8 = uses_fp8(hp, device, fp8_hardware)
-    return Backend(attention or FlexWindowAttention(compile_kernel=not hp.compile), softcap_cross_entropy,
+    return Backend(attention or FlexWindowAttention(compile_kernel=not hp.compile),
+                   functools.partial(softcap_cross_entropy, grad_scale=1 / accum),
                    head_fp8_scales(hp.head_fp8_amax, accum) if fp8 else None, True, True)
 
 
