@@ -509,6 +509,22 @@ def test_loss_gradient_reads_the_logits_twice():
     assert sum(totals["bytes"].values()) == pytest.approx(2 * R * V, abs=small)
 
 
+def test_the_second_pass_reads_only_what_feeds_the_reduction():
+    """A row-wise max spread back over (256, 4096) rows, then added to another (256, 4096) input: the
+    second pass reads the rows the max reduced again, not the input that joins after it."""
+    R, V = 256, 4096
+
+    def spread(logits, other):
+        o = other.float()  # made before the reduction, yet not one of its inputs
+        z = logits.float()
+        return (torch.exp(z - z.amax(dim=-1, keepdim=True)) + o).bfloat16()
+
+    ops, ledger = traced_ops(spread, ((R, V), BF16), ((R, V), BF16))
+    _, totals = only_kernel_seconds(ops, ledger)
+    assert totals["kernels"] == 1
+    assert sum(totals["bytes"].values()) == 2 * (2 * R * V) + 2 * R * V + 2 * R * V
+
+
 def test_a_saved_activations_fused_readers_take_it_from_registers():
     """The FP8 MLP's epilogue: post = relu(pre)^2 is saved (it reaches memory once); its e4m3 cast and its amax
     run in the kernel that makes it, so the kernel reads pre once and writes post and post in e4m3 (the amax's

@@ -572,8 +572,8 @@ def wave_factor(tiles, sms):
 def second_pass_bytes(ledger, kernel):
     """Bytes a kernel reads again because a looped reduction's result is spread back over its rows
     (Inductor's reduction loop, then the loop that writes the rows: an lse pass, then a gradient
-    pass): the reads of the ops up to the reduction, once more. None when its reductions' rows stay
-    in registers or only per-row results are written."""
+    pass): what the reduction's inputs read from memory, once more. None when its reductions' rows
+    stay in registers or only per-row results are written."""
     looped = {op.writes[0][0]: op for op in kernel
               if op.row > PERSISTENT_REDUCTION_LIMIT and op.writes}
     spread = [(op, looped[s]) for op in kernel for s, _ in op.reads
@@ -584,7 +584,26 @@ def second_pass_bytes(ledger, kernel):
     if not any(op.numel >= reader.numel and any(not ledger.fused_away(s) for s, *_ in op.writes)
                for op in kernel):
         return 0
-    return sum(ledger.op_bytes(op)[0] for op in kernel if op.index <= reduction.index)
+    return upstream_read_bytes(ledger, reduction, {id(op) for op in kernel})
+
+
+def upstream_read_bytes(ledger, op, kernel_ops):
+    """Bytes from memory that `op` and the ops of its kernel feeding it (through registers) read."""
+    total, seen, todo = 0, set(), [op]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for s, size in current.reads:
+            made_by = ledger.produced.get(s)
+            maker = None if made_by is None else ledger.ops[made_by]
+            in_kernel = maker is not None and id(maker) in kernel_ops
+            if in_kernel and (ledger.fused_away(s) or ledger.read_in_registers(s, current)):
+                todo.append(maker)
+            else:
+                total += size
+    return total
 
 
 def kernel_extra_seconds(ledger, kernel, peaks, roofline):
