@@ -2045,16 +2045,16 @@ class FP8SoftcapLoss(torch.autograd.Function):
         total = logits.new_zeros((), dtype=torch.float32)
         for k, value in sums.items():
             total = total + weights[k] * value
-        ctx.save_for_backward(torch.cat(blocks), x_f8, w_f8, announced)
-        ctx.scales, ctx.w_dtype = fp8_scales, w.dtype
+        ctx.save_for_backward(torch.cat(blocks), x_f8, w_f8)
+        ctx.scales, ctx.grad_scale, ctx.w_dtype = fp8_scales, grad_scale, w.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        g_f8, x_f8, w_f8, announced = ctx.saved_tensors
+        g_f8, x_f8, w_f8 = ctx.saved_tensors
         x_s, w_s, grad_s = ctx.scales
         # grad_s, times the gradient's ratio to the announced one (1 in training)
-        g_scale = grad_total.float() / announced * grad_s
+        g_scale = grad_total.float() / ctx.grad_scale * grad_s
         w_col = w_f8.T.contiguous().T  # _scaled_mm wants its second operand column-major
         scale = functools.partial(g_f8.new_tensor, dtype=torch.float32)
         grad_x = torch._scaled_mm(g_f8, w_col, out_dtype=torch.bfloat16, scale_a=g_scale,
