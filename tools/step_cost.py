@@ -14,8 +14,10 @@ FLOPs come from torch.utils.flop_counter (FlopCounterMode's formulas, one for th
 visible 128 x 128 block); bytes from the storages the ops read and write (the memory plan's live-storage
 tracer). Ideal fusion: a tensor made by a pointwise/reduction op, read only by such ops and dead within the
 same phase (forward, backward, optimizer) never reaches memory; the ops joined by such tensors are one kernel.
-Each op costs its roofline time, max(FLOPs / peak of its class, bytes / HBM bandwidth), and each kernel at
-least the launch floor; each collective costs NCCL's latency plus its ring traffic over NVLink, and the
+Each op costs its roofline time, max(FLOPs / peak of its class, bytes / HBM bandwidth), with what a
+roofline misses (attention at its backend's efficiency, GEMM waves over the SMs, a looped reduction's
+second pass, special functions, a hand-written kernel's occupancy), and each kernel at least the
+launch floor; each collective costs NCCL's latency plus its ring traffic over NVLink, and the
 collectives overlap the optimizer step's compute (both codes start them after the backward). It is a model:
 see docs/where-the-time-goes.md for what it leaves out.
 """
