@@ -86,7 +86,9 @@ def record_model(hp, attention):
                              attention=attention)
     with torch.device("cpu"):
         model = tg.GPT(hp, backend)
-    assert model.head_loss is tg.softcap_cross_entropy and model.mlp_in_fp8
+    # the fused loss is told the gradient it will get: 1 / the accumulation steps
+    assert model.head_loss.func is tg.softcap_cross_entropy and model.mlp_in_fp8
+    assert model.head_loss.keywords == {"grad_scale": 1 / tg.grad_accum_steps(hp, WORLD)}
     return model
 
 

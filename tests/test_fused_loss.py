@@ -65,7 +65,8 @@ def test_fused_loss_matches_autograd(monkeypatch, mtp, softcap, masked):
             tg.multi_token_loss(z, targets, weights)
     expected.backward(torch.tensor(0.25))
     xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = tg.softcap_cross_entropy(xf, wf, targets, True, scales, softcap, weights, loss_mask)
+    loss = tg.softcap_cross_entropy(xf, wf, targets, True, scales, softcap, weights, loss_mask,
+                                    grad_scale=0.25)
     loss.backward(torch.tensor(0.25))
     assert abs(loss.item() - expected.item()) <= 64 * 2.0 ** -24 * expected.item()
 
@@ -96,6 +97,28 @@ def test_fused_loss_matches_autograd(monkeypatch, mtp, softcap, masked):
         print(f"max gradient difference / max gradient: {error.max() / autograd.float().abs().max():.2e}")
         rounding = BF16_ULP * autograd.float().abs() if fused.dtype == torch.bfloat16 else 0  # grad_x is bf16
         assert (error <= bound + rounding + 1e-6 * autograd.float().abs().max()).all()  # measured up to 0.13 of the max
+
+
+def test_backward_neither_reads_logits_nor_recomputes(monkeypatch):
+    """The forward makes the e5m2 logit gradient for the announced gradient scale (as record #89's
+    kernel): the backward recomputes nothing, and a gradient twice the announced one doubles grad_x
+    and grad_w exactly (a power of two scales the FP8 GEMMs' fp32 results without rounding)."""
+    monkeypatch.setattr(tg, "FUSED_LOSS_ROWS", 48)
+    x, w, targets = case(2)
+    scales = tg.head_fp8_scales((40.0, 1.5, 0.05))
+    grads = []
+    for gradient in (0.25, 0.5):
+        xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = tg.softcap_cross_entropy(xf, wf, targets, True, scales, tg.Softcap(23.0, 5.0, True),
+                                        grad_scale=0.25)
+        with monkeypatch.context() as patch:
+            patch.setattr(tg, "softcap_loss_grad", None)  # a recompute would call it
+            patch.setattr(tg, "softcap_loss_sums", None)
+            loss.backward(torch.tensor(gradient))
+        grads.append((xf.grad, wf.grad))
+    (gx, gw), (gx2, gw2) = grads
+    assert gx.abs().max() > 0 and gw.abs().max() > 0
+    assert torch.equal(gx2, 2 * gx) and torch.equal(gw2, 2 * gw)
 
 
 def test_targets_past_the_end_are_left_out():

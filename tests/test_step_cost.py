@@ -430,3 +430,138 @@ def test_side_by_side_lines():
     ratio = (100 * 30.0 + 300 * 66.0) / (100 * 20.0 + 300 * 60.0)
     assert lines[-1] == (f"predicted train time: ours 22.8 s, reference 20.0 s, ratio {ratio:.3f}; at the reference's "
                          f"measured 79.7 s: {ratio:.3f} × 79.7 = {ratio * 79.7:.1f} s")
+
+
+# ---- issue 53: what the roofline alone missed, each priced the same way in both columns
+
+def only_kernel_seconds(ops, ledger, peaks=H100):
+    totals = sc.cost_of(ledger, ops, dict(peaks, launch=0.0))
+    return totals["compute"] + totals["memory"], totals
+
+
+@pytest.mark.parametrize("backend", sorted(sc.ATTENTION_BACKENDS))
+def test_attention_runs_at_its_backends_efficiency(backend):
+    """A forward and backward of 64 visible tiles cost their FLOPs at the backend's share of the bf16 peak: the
+    forward 4 x 128 x 128 x 64 x 6 heads per tile, the backward 2.5 x that. Error model: float rounding only."""
+    T, H, D, blocks = 1024, 6, 64, 64
+
+    def attention(q, k, v):
+        out = sc.attention_op(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), blocks, backend)[0]
+        out.sum().backward()
+
+    ops, ledger = traced_ops(attention, *[((T, H, D), BF16)] * 3)
+    forward, backward = only_op(ops, "attention"), only_op(ops, "attention_backward")
+    efficiency = sc.ATTENTION_BACKENDS[backend]
+    assert forward.flops == blocks * 4 * 128 * 128 * D * H
+    assert backward.flops == 5 * forward.flops // 2
+    for op, direction in ((forward, "forward"), (backward, "backward")):
+        seconds, _ = only_kernel_seconds([op], ledger)
+        assert seconds == pytest.approx(op.flops / (H100["bf16"] * efficiency[direction]), rel=1e-12)
+
+
+def test_attention_backends_rank_as_their_sources():
+    """FA3 ahead of FlexAttention's FLASH backend, ahead of its Triton backend; every share below the peak."""
+    fa3, flash, triton = (sc.ATTENTION_BACKENDS[b] for b in ("fa3", "flex_flash", "flex_triton"))
+    for direction in ("forward", "backward"):
+        assert 1 > fa3[direction] > flash[direction] > triton[direction] > 0
+
+
+@pytest.mark.parametrize("rows, tiles", [(4096, 96), (49152, 1152), (8192, 192)])
+def test_gemm_waves_over_132_sms(rows, tiles):
+    """The head's grad_x chunk (rows, 50304) @ (50304, 768) has (rows / 256) x (768 / 128) output tiles of
+    128 x 256 (the long side along the rows); its compute time is that of ceil(tiles / 132) full waves: 96 tiles
+    (one 4,096-row chunk) run one wave of 132, 1.375 x the even spread. Error model: float rounding only."""
+    ops, ledger = traced_ops(lambda g, w: g @ w, ((rows, 50304), BF16), ((50304, 768), BF16))
+    op = only_op(ops, "mm")
+    assert op.tiles == tiles
+    waves = -(-tiles // 132)
+    seconds, totals = only_kernel_seconds(ops, ledger)
+    assert totals["compute"] == pytest.approx(op.flops / H100["bf16"] * waves * 132 / tiles, rel=1e-12)
+
+
+def test_stand_ins_count_their_kernels_tiles():
+    """linear_relu_square tiles 128 x 256 (M / 128 x N / 256), XXT its upper tiles per matrix."""
+    M, N, K = 4096, 3072, 768
+    ops, _ = traced_ops(lambda g, w2, pre: rs.linear_relu_square(g, w2, aux=pre),
+                        ((M, K), BF16), ((N, K), BF16), ((M, N), BF16))
+    assert only_op(ops, "linear_relu_square_backward").tiles == 32 * 12
+    ops, _ = traced_ops(lambda a, out: rs.XXT(a, out), ((3, 768, 768), BF16), ((3, 768, 768), BF16))
+    assert only_op(ops, "xxt").tiles == 3 * 21
+
+
+def test_loss_gradient_reads_the_logits_twice():
+    """The fused loss's backward over (256, 50304) bf16 logits: a looped reduction (the lse, rows longer than a
+    persistent reduction's 1,024) then the pass that writes the e5m2 gradient reads the logits again: two reads
+    and one write of the rows, in one kernel; the forward's loss sums only reduce: one read."""
+    R, V = 256, 50304
+    softcap = tg.Softcap(23.0, 5.0, True)
+    ops, ledger = traced_ops(
+        lambda logits, targets, weights: tg.softcap_loss_grad(logits, targets, weights, softcap, 0, R,
+                                                             torch.tensor(1.0), 0.5),
+        ((R, V), BF16), ((R + 2,), torch.int64), ((3,), F32))
+    _, totals = only_kernel_seconds(ops, ledger)
+    small = 3 * (8 * (R + 2) + 12 + 4)  # per horizon: targets, weights, grad_total; read in each pass
+    assert totals["kernels"] == 1
+    assert sum(totals["bytes"].values()) == pytest.approx(2 * (2 * R * V) + R * V, abs=2 * small)
+    ops, ledger = traced_ops(lambda logits, targets: tg.softcap_loss_sums(logits, targets, 3, softcap, 0, R),
+                             ((R, V), BF16), ((R + 2,), torch.int64))
+    _, totals = only_kernel_seconds(ops, ledger)
+    assert sum(totals["bytes"].values()) == pytest.approx(2 * R * V, abs=small)
+
+
+def test_the_second_pass_reads_only_what_feeds_the_reduction():
+    """A row-wise max spread back over (256, 4096) rows, then added to another (256, 4096) input: the
+    second pass reads the rows the max reduced again, not the input that joins after it."""
+    R, V = 256, 4096
+
+    def spread(logits, other):
+        o = other.float()  # made before the reduction, yet not one of its inputs
+        z = logits.float()
+        return (torch.exp(z - z.amax(dim=-1, keepdim=True)) + o).bfloat16()
+
+    ops, ledger = traced_ops(spread, ((R, V), BF16), ((R, V), BF16))
+    _, totals = only_kernel_seconds(ops, ledger)
+    assert totals["kernels"] == 1
+    assert sum(totals["bytes"].values()) == 2 * (2 * R * V) + 2 * R * V + 2 * R * V
+
+
+def test_a_saved_activations_fused_readers_take_it_from_registers():
+    """The FP8 MLP's epilogue: post = relu(pre)^2 is saved (it reaches memory once); its e4m3 cast and its amax
+    run in the kernel that makes it, so the kernel reads pre once and writes post and post in e4m3 (the amax's
+    scalar too): one kernel, no second or third read of post."""
+    M, N = 512, 3072
+
+    def epilogue(pre, scale):
+        post = torch.relu(pre).square()
+        post_f8 = (post.float() * (1 / scale)).clamp(max=448.0).to(torch.float8_e4m3fn)
+        return post, post_f8, post.amax().float()
+
+    ops, ledger = traced_ops(epilogue, ((M, N), BF16), ((), F32))
+    _, totals = only_kernel_seconds(ops, ledger)
+    assert totals["kernels"] == 1
+    assert sum(totals["bytes"].values()) == 2 * M * N + 4 + 2 * M * N + M * N + 4
+
+
+def test_a_reader_after_another_kernel_reads_memory():
+    """A reader that also needs a GEMM made after the activation cannot join the activation's kernel: it reads
+    the activation from memory."""
+    ops, ledger = traced_ops(lambda pre, w: (lambda post: (post, post * (post @ w)))(torch.relu(pre)),
+                             ((256, 256), BF16), ((256, 256), BF16))
+    mul = only_op(ops, "mul")
+    assert ledger.op_bytes(mul)[0] == 2 * 2 * 256 * 256
+
+
+@pytest.mark.parametrize("sfu_over_memory, expected", [(0.5, 1.0), (1.5, 1.5), (3.0, 3.0)])
+def test_loss_kernel_occupancy(sfu_over_memory, expected):
+    """#89's ce_fwd_bwd: three special functions per logit, two blocks per SM, each block loading its row, then
+    computing, then storing: max(memory, sfu, (memory + sfu) / 2), in units of its memory time."""
+    R, V = 256, 50304
+    ops, ledger = traced_ops(lambda l, t, w, loss, g: rs.ce_fwd_bwd(l, t, w, loss, g, R, 3, 23.0, 5.0, 7.5, 1.0, 1.0),
+                             ((R, V), BF16), ((R,), torch.int64), ((3,), F32), ((R,), F32),
+                             ((R, V), torch.float8_e5m2))
+    op = only_op(ops, "ce_fwd_bwd")
+    assert (op.sfu, op.blocks_per_sm) == (3 * R * V, 2)
+    memory = sum(ledger.op_bytes(op)) / H100["hbm"]
+    peaks = dict(H100, sfu=op.sfu / (sfu_over_memory * memory))
+    seconds, _ = only_kernel_seconds(ops, ledger, peaks)
+    assert seconds == pytest.approx(max(expected, (1 + sfu_over_memory) / 2) * memory, rel=1e-9)

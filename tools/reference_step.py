@@ -189,6 +189,35 @@ def stand_in_kind(name):
     return STAND_IN_KIND.get(name, "pointwise/reduction")
 
 
+# ce_fwd_bwd's special functions per logit: the sigmoid (a tanh), the exp of the sum and the exp of
+# the gradient
+CE_SFU_PER_LOGIT = 3
+# ce_fwd_bwd's occupancy: __launch_bounds__(BLOCK_SIZE, 2), and each block holds its row's sigmoids
+# in shared memory (50,304 x 2 bytes): two blocks per SM, each loading its row, then computing, then
+# storing
+CE_BLOCKS_PER_SM = 2
+
+
+def _batch(shape):
+    return math.prod(shape[:-2])
+
+
+def stand_in_kernel(name, args):
+    """The step-cost Op fields (tiles, sfu, blocks_per_sm) of a stand-in's kernel: its output tiles
+    as the kernel tiles them, or the loss kernel's special functions and occupancy."""
+    if name in ("linear_relu_square", "linear_relu_square_backward"):
+        return dict(tiles=_tiles(args[0].shape[0], 128) * _tiles(args[1].shape[0], 256))
+    if name in ("xxt", "xtx"):
+        *_, m, k = args[0].shape
+        side = m if name == "xxt" else k
+        return dict(tiles=_batch(args[0].shape) * symmetric_tiles(side, *gram_blocks(k)[:2]))
+    if name == "ba_plus_caa":
+        return dict(tiles=_batch(args[0].shape) * symmetric_tiles(args[0].shape[-1], 128, 128))
+    if name == "ce_fwd_bwd":
+        return dict(sfu=CE_SFU_PER_LOGIT * args[0].numel(), blocks_per_sm=CE_BLOCKS_PER_SM)
+    return {}
+
+
 @register_flop_formula(torch.ops.step_cost_ref.xxt)
 def _(a, out, **kwargs):
     return xxt_flops(a)
@@ -285,7 +314,7 @@ class FlashAttention3:
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                softmax_scale, window_size):
         assert causal, "the stand-in counts causal tiles"
-        return self.attention_op(q, k, v, window_tiles(q.shape[0], int(window_size[0])))[0]
+        return self.attention_op(q, k, v, window_tiles(q.shape[0], int(window_size[0])), "fa3")[0]
 
 
 # ---- loading the definitions

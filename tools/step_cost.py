@@ -14,8 +14,10 @@ FLOPs come from torch.utils.flop_counter (FlopCounterMode's formulas, one for th
 visible 128 x 128 block); bytes from the storages the ops read and write (the memory plan's live-storage
 tracer). Ideal fusion: a tensor made by a pointwise/reduction op, read only by such ops and dead within the
 same phase (forward, backward, optimizer) never reaches memory; the ops joined by such tensors are one kernel.
-Each op costs its roofline time, max(FLOPs / peak of its class, bytes / HBM bandwidth), and each kernel at
-least the launch floor; each collective costs NCCL's latency plus its ring traffic over NVLink, and the
+Each op costs its roofline time, max(FLOPs / peak of its class, bytes / HBM bandwidth), with what a
+roofline misses (attention at its backend's efficiency, GEMM waves over the SMs, a looped reduction's
+second pass, special functions, a hand-written kernel's occupancy), and each kernel at least the
+launch floor; each collective costs NCCL's latency plus its ring traffic over NVLink, and the
 collectives overlap the optimizer step's compute (both codes start them after the backward). It is a model:
 see docs/where-the-time-goes.md for what it leaves out.
 """
@@ -24,6 +26,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import warnings
 import sys
@@ -46,12 +49,53 @@ from torch.utils.flop_counter import (FlopCounterMode, register_flop_formula, sd
 # nccl_base, nccl_hop: NCCL's latency model for a ring over NVLink, LL protocol (its small-message latency):
 # base + steps x hop, steps = 2 (n - 1) for an all-reduce, n - 1 for the others (NCCL src/graph/tuning.cc,
 # baseLat and hwLat).
+# sms: streaming multiprocessors (both: 132); sfu: special-function results per second (exp2,
+# log2, rcp, tanh: 16 per clock per SM on compute capability 9.0, CUDA C++ Programming Guide,
+# "Arithmetic Instructions", at the 1.98 GHz boost clock the datasheets' fp32 peak implies:
+# 132 SMs x 128 lanes x 2 x 1.98 GHz = 67 TFLOP/s).
+SMS, SFU_PER_CLOCK, CLOCK = 132, 16, 1.98e9
 GPU_PEAKS = {
-    "h100": dict(name="H100 SXM", fp8=1979e12, bf16=989e12, tf32=494.5e12, fp32=67e12, hbm=3.35e12, nvlink=450e9,
-                 memory_gb=80, launch=3e-6, nccl_base=3.6e-6, nccl_hop=0.47e-6),
-    "h200": dict(name="H200 SXM", fp8=1979e12, bf16=989e12, tf32=494.5e12, fp32=67e12, hbm=4.8e12, nvlink=450e9,
-                 memory_gb=141, launch=3e-6, nccl_base=3.6e-6, nccl_hop=0.47e-6),
+    "h100": dict(name="H100 SXM", fp8=1979e12, bf16=989e12, tf32=494.5e12, fp32=67e12, hbm=3.35e12,
+                 nvlink=450e9, memory_gb=80, launch=3e-6, nccl_base=3.6e-6, nccl_hop=0.47e-6,
+                 sms=SMS, sfu=SMS * SFU_PER_CLOCK * CLOCK),
+    "h200": dict(name="H200 SXM", fp8=1979e12, bf16=989e12, tf32=494.5e12, fp32=67e12, hbm=4.8e12,
+                 nvlink=450e9, memory_gb=141, launch=3e-6, nccl_base=3.6e-6, nccl_hop=0.47e-6,
+                 sms=SMS, sfu=SMS * SFU_PER_CLOCK * CLOCK),
 }
+# Attention by backend: the share of the bf16 peak its kernels reach on an H100, forward and
+# backward.
+# FA2_H100: FlashAttention-2 on an H100, 35 % (FlashAttention-3 paper, Shah et al. 2024, abstract).
+# fa3 (record #89): forward 75 % (the same abstract: up to 740 TFLOP/s in FP16); backward 1.5 x
+#   FA2's, the low end of the abstract's 1.5-2.0 x (it quotes no backward utilization of its own).
+# flex_triton (ours, FlexAttention's default Triton backend): 90 % of FlashAttention-2's forward
+#   speed and 85 % of its backward (PyTorch blog "FlexAttention: The Flexibility of PyTorch with the
+#   Performance of FlashAttention", 2024, measured on an A100), applied to FA2's 35 % on an H100.
+# flex_flash (kernel_options={"BACKEND": "FLASH"}: flash-attn-4's CuTe-DSL kernels): 1.2 x the
+#   Triton backend, the low end of the 1.2-3.2 x on compute-bound workloads in PyTorch's blog
+#   "FlexAttention + FlashAttention-4: Fast and Flexible" (its high end is Blackwell's).
+FA2_H100 = 0.35
+ATTENTION_BACKENDS = {
+    "fa3": dict(forward=0.75, backward=1.5 * FA2_H100),
+    "flex_triton": dict(forward=0.90 * FA2_H100, backward=0.85 * FA2_H100),
+    "flex_flash": dict(forward=1.2 * 0.90 * FA2_H100, backward=1.2 * 0.85 * FA2_H100),
+}
+# A GEMM's output tile (128 x 256, the long side along the longer output side): cuBLAS's Hopper
+# kernels for large GEMMs and #89's persistent linear_relu_square use it; t tiles run
+# ceil(t / SMs) waves.
+GEMM_TILE = (128, 256)
+# Inductor keeps a reduction's row in registers (a persistent reduction) up to this many elements; a
+# longer row is reduced in a loop, and what is computed from the result over the row is a second
+# loop that reads the row again (torch/_inductor/choices.py, should_use_persistent_reduction: 1024
+# for inner reductions)
+PERSISTENT_REDUCTION_LIMIT = 1024
+# special-function results per output element of an op (Triton's sigmoid is 1 / (1 + exp(-x)): an
+# exp and a rcp; an fp32 division is a rcp refined by FMAs)
+SFU_OPS = {"exp": 1, "exp2": 1, "log": 1, "log2": 1, "sigmoid": 2, "tanh": 1, "rsqrt": 1, "sin": 1,
+           "cos": 1, "reciprocal": 1, "div": 1}
+# special-function results per input element of a reduction (an exp of each)
+SFU_PER_INPUT = {"logsumexp": 1, "_softmax": 1, "_log_softmax": 1}
+REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "logsumexp", "prod", "norm",
+              "linalg_vector_norm"}
 # modded-nanogpt record #89 (2026-07-17, FP8 down projection), its log on 8 x H100: ms/step per stage and the
 # mean train time of its 13 runs
 REFERENCE_MS_PER_STAGE = (31.4, 56.8, 82.7)
@@ -83,25 +127,27 @@ METADATA = {"size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "d
 # ---- the fused attention stand-in: FlexAttention's visible blocks, FusedAttentionFootprint's bytes
 
 @torch.library.custom_op("step_cost::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, float32 log-sum-exp per query and head) of a fused kernel over `blocks` visible tiles."""
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: int, backend: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, float32 log-sum-exp per query and head) of a fused kernel over `blocks` visible tiles,
+    run by `backend` (a key of ATTENTION_BACKENDS)."""
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @attention_op.register_fake
-def _(q, k, v, blocks):
+def _(q, k, v, blocks, backend):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @torch.library.custom_op("step_cost::attention_backward", mutates_args=())
-def attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, blocks: int
+def attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          out: torch.Tensor, lse: torch.Tensor, blocks: int, backend: str
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lse)
 
 
 @attention_backward_op.register_fake
-def _(grad, q, k, v, out, lse, blocks):
+def _(grad, q, k, v, out, lse, blocks, backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lse)
 
 
@@ -111,24 +157,25 @@ def _tile(shape):
 
 
 @register_flop_formula(torch.ops.step_cost.attention)
-def _attention_flop(q, k, v, blocks, out_shape=None, **kwargs):
+def _attention_flop(q, k, v, blocks, backend, out_shape=None, **kwargs):
     return blocks * sdpa_flop_count(_tile(q), _tile(k), _tile(v))
 
 
 @register_flop_formula(torch.ops.step_cost.attention_backward)
-def _attention_backward_flop(grad, q, k, v, out, lse, blocks, out_shape=None, **kwargs):
+def _attention_backward_flop(grad, q, k, v, out, lse, blocks, backend, out_shape=None, **kwargs):
     return blocks * sdpa_backward_flop_count(_tile(grad), _tile(q), _tile(k), _tile(v))
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, blocks = inputs
+    q, k, v, blocks, backend = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.blocks = blocks
+    ctx.blocks, ctx.backend = blocks, backend
 
 
 def _attention_autograd(ctx, grad, _):
-    grad_q, grad_k, grad_v, _term = attention_backward_op(grad, *ctx.saved_tensors, ctx.blocks)
-    return grad_q, grad_k, grad_v, None
+    grad_q, grad_k, grad_v, _term = attention_backward_op(grad, *ctx.saved_tensors, ctx.blocks,
+                                                          ctx.backend)
+    return grad_q, grad_k, grad_v, None, None
 
 
 attention_op.register_autograd(_attention_autograd, setup_context=_attention_setup)
@@ -144,15 +191,20 @@ def visible_blocks(seq_len, window_tokens):
 
 
 class LedgerAttention:
-    """FlexWindowAttention's cost for the ledger: its block mask's visible tiles (one document per piece, as
-    the memory plan's batch; real batches have more documents, so fewer tiles), a fused kernel's memory."""
+    """FlexWindowAttention's cost for the ledger: its block mask's visible tiles (one document per
+    piece, as the memory plan's batch; real batches have more documents, so fewer tiles), a fused
+    kernel's memory, at the efficiency of FlexAttention's backend (`backend`: a key of
+    ATTENTION_BACKENDS)."""
+
+    def __init__(self, backend="flex_triton"):
+        self.backend = backend
 
     @staticmethod
     def mask(docs, window_tokens):
         return visible_blocks(docs.numel(), window_tokens)
 
     def __call__(self, q, k, v, blocks, scale):
-        return attention_op(q, k, v, blocks)[0]
+        return attention_op(q, k, v, blocks, self.backend)[0]
 
 
 # ---- the ledger: every op's class, FLOPs and the storages it reads and writes
@@ -168,6 +220,13 @@ class Op:
     sent: float = 0.0  # bytes this rank sends (collectives)
     shape: str = ""  # dtype and shape of its largest output, to tell ops of one name apart
     fusable: bool = False  # a pointwise/reduction op a compiler may fuse with its neighbours
+    tiles: int = 0  # a GEMM's output tiles (GEMM_TILE), for its waves over the SMs
+    efficiency: float = 1.0  # the share of its class's peak it reaches (attention: by backend)
+    sfu: int = 0  # special-function results it computes
+    blocks_per_sm: int = 0  # a hand-written kernel's occupancy (0: its memory and compute overlap)
+    row: int = 0  # a reduction's elements per result
+    numel: int = 0  # elements of its largest output
+    index: int = -1  # its place in Ledger.ops
 
 
 def _view_bytes(t):
@@ -259,11 +318,32 @@ class Ledger(LiveMemory):
         shape = "" if largest is None else f"{str(largest.dtype).replace('torch.', '')}{list(largest.shape)}"
         fusable = (kind == "pointwise/reduction" and name not in UNFUSABLE
                    and func.namespace not in ("step_cost", reference_step.NAMESPACE))
-        op = Op(name, kind, self.phase, int(flops), reads, writes, shape=shape, fusable=fusable)
+        op = Op(name, kind, self.phase, int(flops), reads, writes, shape=shape, fusable=fusable,
+                numel=0 if largest is None else largest.numel(), index=len(self.ops))
         if kind == "collectives":
             op.sent = self._sent_bytes(name, tensors_in)
+        self._describe_kernel(op, func, args, tensors_in, largest)
         self.ops.append(op)
         return out
+
+    @staticmethod
+    def _describe_kernel(op, func, args, tensors_in, largest):
+        """What the roofline alone misses: a GEMM's tiles, an attention backend's efficiency,
+        special functions, a hand-written kernel's occupancy, a reduction's row length."""
+        if func.namespace == "step_cost":
+            direction = "backward" if op.name.endswith("backward") else "forward"
+            op.efficiency = ATTENTION_BACKENDS[args[-1]][direction]
+        elif func.namespace == reference_step.NAMESPACE:
+            for field, value in reference_step.stand_in_kernel(op.name, args).items():
+                setattr(op, field, value)
+        elif op.kind.startswith("matmul") and largest is not None:
+            op.tiles = gemm_tiles(largest.shape)
+        if op.fusable:
+            op.sfu = SFU_OPS.get(op.name, 0) * op.numel
+            if op.name in SFU_PER_INPUT and tensors_in:
+                op.sfu = SFU_PER_INPUT[op.name] * tensors_in[0].numel()
+            if op.name in REDUCTIONS and tensors_in and op.numel:
+                op.row = tensors_in[0].numel() // op.numel
 
     @staticmethod
     def _touched_rows(name, args, tensors_out):
@@ -334,9 +414,24 @@ class Ledger(LiveMemory):
     def _fusable(op):
         return op.fusable
 
+    def read_in_registers(self, serial, op):
+        """A storage that reaches memory (saved for later) read by a fusable op that can join the
+        kernel making it: its maker is fusable and of the same phase, and everything else the
+        reader reads existed before the maker ran (so no other kernel stands between them). The
+        reader takes the value from the maker's registers, as Inductor fuses such a reader (the FP8
+        MLP's e4m3 cast and amax of post with relu(pre)^2)."""
+        made_by = self.produced.get(serial)
+        if not op.fusable or made_by is None or made_by >= op.index:
+            return False
+        maker = self.ops[made_by]
+        if not maker.fusable or maker.phase != op.phase:
+            return False
+        return all(s == serial or self.produced.get(s, -1) <= made_by for s, _ in op.reads)
+
     def op_bytes(self, op):
         """(bytes read, bytes written) of one op under ideal fusion."""
-        read = sum(b for s, b in op.reads if not self.fused_away(s))
+        read = sum(b for s, b in op.reads
+                   if not self.fused_away(s) and not self.read_in_registers(s, op))
         written = sum(b for s, b, *_ in op.writes if not self.fused_away(s))
         return read, written
 
@@ -350,10 +445,10 @@ class Ledger(LiveMemory):
 
 # ---- tracing one step of a stage
 
-def trace_setup(hp, world_size, ledger):
+def trace_setup(hp, world_size, ledger, attention="flex_triton"):
     """(model, optimizers, accum) of the run on fake tensors, rank 0 of world_size, GPU paths."""
     accum = tg.grad_accum_steps(hp, world_size)
-    model, backend = planned_model(hp, True, accum, attention=LedgerAttention())
+    model, backend = planned_model(hp, True, accum, attention=LedgerAttention(attention))
     for t in [*model.parameters(), *model.buffers()]:
         ledger.track(t)
     return model, tg.make_optimizers(model, hp, backend), accum
@@ -447,7 +542,7 @@ def kernels_of(ledger, ops):
             continue
         for s, _ in op.reads:
             made_by = position.get(ledger.produced.get(s))
-            if made_by is not None and ledger.fused_away(s):
+            if made_by is not None and (ledger.fused_away(s) or ledger.read_in_registers(s, op)):
                 parent[root(i)] = root(made_by)
     groups = collections.defaultdict(list)
     for i, op in enumerate(ops):
@@ -455,6 +550,78 @@ def kernels_of(ledger, ops):
             groups[root(i)].append(op)
     return [group for group in groups.values()
             if any(op.flops or sum(ledger.op_bytes(op)) for op in group)]
+
+
+def gemm_tiles(shape):
+    """GEMM_TILE output tiles of a (batch..., M, N) product, the tile's long side along the longer
+    of M, N."""
+    *batch, m, n = shape
+    short, long = GEMM_TILE
+    if m > n:
+        short, long = long, short
+    return math.prod(batch) * -(-m // short) * -(-n // long)
+
+
+def wave_factor(tiles, sms):
+    """Compute time of `tiles` tiles over `sms` SMs against an even spread: the last wave runs part
+    full."""
+    return math.ceil(tiles / sms) * sms / tiles if tiles else 1.0
+
+
+def second_pass_bytes(ledger, kernel):
+    """Bytes a kernel reads again because a looped reduction's result is spread back over its rows
+    (Inductor's reduction loop, then the loop that writes the rows: an lse pass, then a gradient
+    pass): what the reduction's inputs read from memory, once more. None when its reductions' rows
+    stay in registers or only per-row results are written."""
+    looped = {op.writes[0][0]: op for op in kernel
+              if op.row > PERSISTENT_REDUCTION_LIMIT and op.writes}
+    spread = [(op, looped[s]) for op in kernel for s, _ in op.reads
+              if s in looped and op.numel > looped[s].numel]
+    if not spread:
+        return 0
+    reader, reduction = min(spread, key=lambda pair: pair[0].numel)
+    if not any(op.numel >= reader.numel and any(not ledger.fused_away(s) for s, *_ in op.writes)
+               for op in kernel):
+        return 0
+    return upstream_read_bytes(ledger, reduction, {id(op) for op in kernel})
+
+
+def upstream_read_bytes(ledger, op, kernel_ops):
+    """Bytes from memory that `op` and the ops of its kernel feeding it (through registers) read."""
+    total, seen, todo = 0, set(), [op]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for s, size in current.reads:
+            made_by = ledger.produced.get(s)
+            maker = None if made_by is None else ledger.ops[made_by]
+            in_kernel = maker is not None and id(maker) in kernel_ops
+            if in_kernel and (ledger.fused_away(s) or ledger.read_in_registers(s, current)):
+                todo.append(maker)
+            else:
+                total += size
+    return total
+
+
+def kernel_extra_seconds(ledger, kernel, peaks, roofline):
+    """{'memory': s, 'compute': s} a kernel costs beyond its ops' rooflines: a second pass over its
+    inputs (second_pass_bytes), and its special functions where they outlast the rest (at full
+    occupancy they overlap the memory traffic; a kernel of B blocks per SM whose blocks load,
+    compute and store in turn overlaps them only across its blocks: max(memory, sfu,
+    (memory + sfu) / B))."""
+    extra = {}
+    memory = second_pass_bytes(ledger, kernel) / peaks["hbm"]
+    if memory:
+        extra["memory"] = memory
+    busy = roofline + memory
+    sfu = sum(op.sfu for op in kernel) / peaks["sfu"]
+    blocks = max((op.blocks_per_sm for op in kernel), default=0)
+    bound = max(busy, sfu, (busy + sfu) / blocks) if blocks else max(busy, sfu)
+    if bound > busy:
+        extra["compute"] = bound - busy
+    return extra
 
 
 def cost_of(ledger, ops, peaks, weight=1.0, into=None):
@@ -477,7 +644,8 @@ def cost_of(ledger, ops, peaks, weight=1.0, into=None):
             totals["collectives"] += weight
         else:
             rate = peaks[op.kind.split()[1]] if op.kind.startswith("matmul") else peaks["bf16"]
-            flop_s, byte_s = op.flops / rate, (read + written) / peaks["hbm"]
+            flop_s = op.flops / (rate * op.efficiency) * wave_factor(op.tiles, peaks["sms"])
+            byte_s = (read + written) / peaks["hbm"]
             seconds = max(flop_s, byte_s)
             totals["compute" if flop_s >= byte_s else "memory"] += weight * seconds
             if op.phase == "optimizer":
@@ -487,7 +655,18 @@ def cost_of(ledger, ops, peaks, weight=1.0, into=None):
         totals["top"][op.phase, op.kind, op.name, op.shape] += weight * seconds
     for kernel in kernels_of(ledger, ops):
         totals["kernels"] += weight
-        short = peaks["launch"] - sum(op_seconds[id(op)] for op in kernel)
+        first = max(kernel, key=lambda op: op_seconds[id(op)])
+        roofline = sum(op_seconds[id(op)] for op in kernel)
+        for part, seconds in kernel_extra_seconds(ledger, kernel, peaks, roofline).items():
+            totals[part] += weight * seconds
+            if part == "memory":
+                totals["bytes"][first.kind] += weight * seconds * peaks["hbm"]
+            totals["seconds"][first.kind] += weight * seconds
+            totals["top"][first.phase, first.kind, first.name, first.shape] += weight * seconds
+            if first.phase == "optimizer":
+                totals["optimizer_compute"] += weight * seconds
+            roofline += seconds
+        short = peaks["launch"] - roofline
         if short > 0:
             first = max(kernel, key=lambda op: op_seconds[id(op)])
             totals["launch"] += weight * short
@@ -498,13 +677,13 @@ def cost_of(ledger, ops, peaks, weight=1.0, into=None):
     return totals
 
 
-def stage_costs(hp, world_size, peaks, stages=range(4)):
+def stage_costs(hp, world_size, peaks, stages=range(4), attention="flex_triton"):
     """StageCost of each of `stages` (0-2, 3: the extension) that has steps, and the Ledger."""
     fake, ledger, schedule = FakeTensorMode(), Ledger(world_size), tg.Schedule(hp)
     plans = [schedule.at(step) for step in range(schedule.total_steps)]
     costs = []
     with fake_world(world_size), fake:
-        model, optimizers, accum = trace_setup(hp, world_size, ledger)
+        model, optimizers, accum = trace_setup(hp, world_size, ledger, attention)
         trace_piece(hp, model, fake, ledger, PLAN_PIECE_STEP, plans[1])  # state made by an untraced first step
         trace_optimizer_step(model, optimizers, plans[1], ledger, traced=False)
         for stage in stages:
@@ -590,7 +769,12 @@ def header(world_size, peaks):
             f"a model: ideal fusion (pointwise chains stay in registers), each kernel at least "
             f"{peaks['launch'] * 1e6:g} us, each collective NCCL's latency ({peaks['nccl_base'] * 1e6:g} us + "
             f"{peaks['nccl_hop'] * 1e6:g} us per ring step) + its bytes over NVLink, collectives hidden behind the "
-            "optimizer step's compute"]
+            "optimizer step's compute",
+            "what rooflines miss: GEMMs in waves of 128 x 256 tiles over "
+            f"{peaks['sms']} SMs, a looped reduction spread back over its rows reads them twice, special "
+            f"functions at {peaks['sfu'] / 1e12:.2f} T/s; attention at its backend's share of the bf16 peak, "
+            "forward / backward: " + ", ".join(
+                f"{name} {e['forward']:.1%} / {e['backward']:.1%}" for name, e in ATTENTION_BACKENDS.items())]
 
 
 def step_line(c):
@@ -603,9 +787,9 @@ def train_seconds(costs):
     return sum(c.steps * c.step_seconds for c in costs)
 
 
-def report(hp, world_size, gpu, top=12):
+def report(hp, world_size, gpu, top=12, attention="flex_triton"):
     peaks = GPU_PEAKS[gpu]
-    costs, _ = stage_costs(hp, world_size, peaks)
+    costs, _ = stage_costs(hp, world_size, peaks, attention=attention)
     lines = header(world_size, peaks)
     for c in costs:
         matmul = sum(c.flops[k] for k in CLASSES if k.startswith("matmul"))
@@ -655,9 +839,9 @@ def differences(ours, reference, top):
     return sorted(rows, key=lambda row: -abs(row[0]))[:top]
 
 
-def side_by_side(hp, world_size, gpu, log_path, top=12):
+def side_by_side(hp, world_size, gpu, log_path, top=12, attention="flex_triton"):
     peaks = GPU_PEAKS[gpu]
-    ours, _ = stage_costs(hp, world_size, peaks)
+    ours, _ = stage_costs(hp, world_size, peaks, attention=attention)
     reference, _ = reference_stage_costs(log_path, world_size, peaks)
     return comparison(ours, reference, world_size, peaks, os.path.basename(log_path), top)
 
@@ -725,6 +909,8 @@ def parse(argv):
     parser.add_argument("--gpu", choices=sorted(GPU_PEAKS), default="h100", help="whose peaks (default h100)")
     parser.add_argument("--top", type=non_negative, default=12,
                         help="list this many of stage 3's largest items or differences (default 12)")
+    parser.add_argument("--attention", choices=["flex_triton", "flex_flash"], default="flex_triton",
+                        help="FlexAttention's backend ours is priced at (default flex_triton, what runs)")
     parser.add_argument("--reference", metavar="LOG", default=None,
                         help="a modded-nanogpt record log: trace its own step too and print both side by side")
     args, rest = parser.parse_known_args(argv)
@@ -750,9 +936,10 @@ def main(argv=None):
     args, hp = parse(sys.argv[1:] if argv is None else argv)
     try:
         if args.reference is None:
-            lines = report(hp, args.world_size, args.gpu, args.top)
+            lines = report(hp, args.world_size, args.gpu, args.top, args.attention)
         else:
-            lines = side_by_side(hp, args.world_size, args.gpu, args.reference, args.top)
+            lines = side_by_side(hp, args.world_size, args.gpu, args.reference, args.top,
+                                 args.attention)
     except reference_step.LogError as e:
         print(f"step_cost.py: error: --reference {args.reference}: {e}", file=sys.stderr)
         sys.exit(2)
