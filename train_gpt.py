@@ -3189,14 +3189,18 @@ def parse_args(argv=None):
     return hyperparameters_from(parser_for(argv).parse_args(argv))
 
 
-def companion_files(hp):  # other tracks' files, loaded on a flag; logged after the script
+def companion_files(hp):  # files a run may load beside this script; logged after it
+    defaults = Hyperparameters()  # --synthetic_fallback's corpus is data/synthetic.py's
+    synthetic = hp.synthetic_fallback and (hp.train_files, hp.val_files) == (
+        defaults.train_files, defaults.val_files)
     return (["track3.py"] * (hp.matrix_optimizer != "normuon")
-            + ["ngram_prior.py"] * (hp.ngram_prior > 0))
+            + ["ngram_prior.py"] * (hp.ngram_prior > 0) + ["data/synthetic.py"] * synthetic)
 
 
 def load_companion(name):
-    """Import the file `name` beside this script once (its train_gpt: this module, however run)."""
-    path = Path(__file__).with_name(name)
+    """Import the file `name` (a path from this script's folder) once; its train_gpt: this
+    module, however run."""
+    path = Path(__file__).parent / name
     module = sys.modules.get(path.stem)
     if module is None:
         sys.modules.setdefault("train_gpt", sys.modules[__name__])
@@ -3634,7 +3638,7 @@ def run_source(hp):
     source = Path(__file__).read_text(encoding="utf-8")
     for name in companion_files(hp):
         source += COMPANION_HEADER.format(dashes="-" * 40, name=name)
-        source += Path(__file__).with_name(name).read_text(encoding="utf-8")
+        source += (Path(__file__).parent / name).read_text(encoding="utf-8")
     return source if source.endswith("\n") else source + "\n"
 
 
@@ -4010,7 +4014,7 @@ def resolve_data(hp, rank):
         folder = Path("data") / "synthetic"
         train, val = str(folder / "synthetic_train_*.bin"), str(folder / "synthetic_val_*.bin")
         if rank == 0 and not (glob.glob(train) and glob.glob(val)):
-            synthetic_corpus(folder)
+            load_companion("data/synthetic.py").synthetic_corpus(folder, write_shard=write_shard)
         if dist_ready():
             dist.barrier()
         return train, val, (f"the synthetic corpus in {folder} (no shards match the default "
@@ -4403,7 +4407,7 @@ def micro_step_pieces(hp, stages, world_size, accum):
 
 
 # ----------------------------------------------------------------------------------------------
-# CPU fallbacks: tiled SDPA attention, a chunked loss, fp32 Polar Express; the synthetic corpus
+# CPU fallbacks: tiled SDPA attention, a chunked loss, fp32 Polar Express
 # (FlexAttention has no CPU backward; bf16 matmuls without native support are ~20x slower)
 
 def local_window_mask(docs, window_tokens):
@@ -4535,40 +4539,6 @@ def chunked_softcap_cross_entropy(x, weight, targets, training, fp8_scales, soft
 
 
 CPU_POLAR_EXPRESS = dict(use_triton=False, dtype=torch.float32)
-
-
-def synthetic_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, vocab=512,
-                     topics=8):
-    """Write a deterministic corpus, returning its paths: BOS-led documents of a sparse Markov chain
-    per topic; topic and previous token reach ~1.1 nats/token (unigram entropy ~ln(vocab))."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    token_ids = rng.choice(np.arange(1000, 50000), size=vocab, replace=False)
-    successors = rng.integers(0, vocab, size=(topics, vocab, 4))
-    probs = np.array([0.6, 0.25, 0.1, 0.05])
-    paths = []
-    for name, n_tokens in (("synthetic_val_000000.bin", val_tokens),
-                           ("synthetic_train_000001.bin", train_tokens)):
-        docs = []
-        total = 0
-        while total < n_tokens:
-            n_docs, doc_len = 512, 1024
-            topic = rng.integers(0, topics, size=n_docs)
-            state = rng.integers(0, vocab, size=n_docs)
-            choices = rng.choice(4, size=(doc_len, n_docs), p=probs)
-            seq = np.empty((n_docs, doc_len), dtype=np.int64)
-            for t in range(doc_len):
-                seq[:, t] = state
-                state = successors[topic, state, choices[t]]
-            lengths = rng.integers(32, doc_len, size=n_docs)
-            for row, length in zip(seq, lengths):
-                docs.append(np.concatenate([[BOS_ID], token_ids[row[:length]]]))
-                total += length + 1
-        path = out_dir / name
-        write_shard(path, np.concatenate(docs)[:n_tokens])
-        paths.append(path)
-    return paths
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _EMBEDDED_SHA_RE = re.compile(rb"^script_sha256 [0-9a-f]{64}\r?$", re.M)
 _WORLD_RE = re.compile(r"^world_size (\d+)(?:\s|$)", re.M)
 # the header before each companion file in a log's code part (train_gpt.COMPANION_HEADER)
-_COMPANION_RE = re.compile(rb"\n\n-{40}\n# ([A-Za-z0-9_.-]+\.py)\n-{40}\n\n")
+_COMPANION_RE = re.compile(rb"\n\n-{40}\n# ([A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*\.py)\n-{40}\n\n")
 SCRIPT_NAME = "train_gpt.py"  # the script's name in a replay folder and in split_files
 # A replay is a new run: these recorded flags (each takes one value) are not passed on.
 DROPPED_FLAGS = ("--run_id", "--resume")
@@ -668,6 +668,9 @@ def replay(log, extra_args=(), nproc: int | None = None, workdir=None,
     try:
         tmp.mkdir(exist_ok=True)
         for name, data in split_files(parts.script).items():
+            if ".." in Path(name).parts:
+                raise RecordError(f"{log}: a file named {name!r} would land outside {tmp}")
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_bytes(data)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -815,6 +818,9 @@ def _run(args, extra) -> int:
         if args.all:
             Path(args.all).mkdir(parents=True, exist_ok=True)
             for name, data in files.items():
+                if ".." in Path(name).parts:
+                    raise RecordError(f"{log}: a file named {name!r} would land outside {args.all}")
+                (Path(args.all) / name).parent.mkdir(parents=True, exist_ok=True)
                 write_output(Path(args.all) / name, data)
             print(f"wrote {', '.join(files)} into {args.all}", file=sys.stderr)
             return 0

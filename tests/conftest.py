@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # train_gpt; smoke_checks (the GPU smoke's checks)
+sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "data")]  # train_gpt; smoke_checks; synthetic
 
 # triton.jit reads this when kernels are decorated, i.e. when train_gpt is first imported.
 if not torch.cuda.is_available():

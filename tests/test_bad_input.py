@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import plan_memory as pm
+import synthetic
 import train_gpt as tg
 from test_training import run_main
 
@@ -24,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("corpus")
-    tg.synthetic_corpus(folder, train_tokens=60_000, val_tokens=8_192)
+    synthetic.markov_corpus(folder, train_tokens=60_000, val_tokens=8_192)
     return folder
 
 
@@ -351,7 +352,8 @@ def test_training_shards_that_run_out_are_refused_before_the_first_step(corpus, 
 def test_half_of_the_default_data_is_never_swapped_for_the_synthetic_corpus(tmp_path, capsys, monkeypatch):
     """The cpu preset (--synthetic_fallback) with FineWeb training shards and no validation shard used the
     synthetic corpus for both, saying only that no shards match."""
-    monkeypatch.setattr(tg, "synthetic_corpus", lambda folder: pytest.fail(f"would write a corpus into {folder}"))
+    monkeypatch.setattr(synthetic, "synthetic_corpus",
+                        lambda folder, **_: pytest.fail(f"would write a corpus into {folder}"))
     monkeypatch.setenv("DATA_PATH", str(tmp_path))
     write(tmp_path / "data" / "fineweb10B" / "fineweb_train_000001.bin", [BOS, 1, 2, 3])
     with pytest.raises(tg.DataError, match=re.escape(f"--val_files '{tmp_path}/data/fineweb10B/fineweb_val_*.bin' "

@@ -27,7 +27,7 @@ def test_the_other_tracks_live_in_files_of_their_own():
     for word in ("Shampoo", "SOAP", "Kneser", "NgramPrior", "count_ngrams"):
         assert word not in source, word
     names = {node.name for node in ast.parse(source).body if hasattr(node, "name")}
-    assert not names & {"BlockOptimizer", "AdamW", "kneser_ney", "synthetic_corpus_of_topics"}
+    assert not names & {"BlockOptimizer", "AdamW", "kneser_ney", "synthetic_corpus", "markov_corpus"}
 
 
 def test_the_record_path_comes_first_and_ends_at_the_fence():

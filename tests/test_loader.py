@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import synthetic
 import train_gpt as tg
 
 BOS = 50256
@@ -338,9 +339,9 @@ def test_validation_rejects_bad_sizes(tmp_path):
 
 def test_synthetic_corpus_deterministic(tmp_path):
     kw = dict(train_tokens=30_000, val_tokens=5_000)
-    a = tg.synthetic_corpus(tmp_path / "a", seed=0, **kw)
-    b = tg.synthetic_corpus(tmp_path / "b", seed=0, **kw)
-    c = tg.synthetic_corpus(tmp_path / "c", seed=1, **kw)
+    a = synthetic.markov_corpus(tmp_path / "a", seed=0, **kw)
+    b = synthetic.markov_corpus(tmp_path / "b", seed=0, **kw)
+    c = synthetic.markov_corpus(tmp_path / "c", seed=1, **kw)
     assert [p.name for p in a] == ["synthetic_val_000000.bin", "synthetic_train_000001.bin"]
     for pa, pb, pc in zip(a, b, c):
         assert pa.read_bytes() == pb.read_bytes()
@@ -381,7 +382,7 @@ def test_tiny_model_learns_synthetic_corpus(tmp_path, one_thread):
     unigram entropy of the train shard 6.191 nats/token; val loss 6.461 at init -> 4.370 after 60 steps
     (1.82 below; 80 steps reach 3.996). Required: at least 1.5 nats below the unigram entropy (< 4.69),
     i.e. the model must use context, not just token frequencies."""
-    _, train_path = tg.synthetic_corpus(tmp_path, seed=0, train_tokens=300_000, val_tokens=20_000)
+    _, train_path = synthetic.markov_corpus(tmp_path, seed=0, train_tokens=300_000, val_tokens=20_000)
     train_tokens = tg.read_shard(train_path)
     entropy = unigram_entropy(train_tokens)
     ids = np.unique(train_tokens)

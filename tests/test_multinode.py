@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import synthetic
 import train_gpt as tg
 from test_training import SCRIPT, env, short, val_losses
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("corpus")
-    tg.synthetic_corpus(folder, train_tokens=200_000, val_tokens=20_000)
+    synthetic.markov_corpus(folder, train_tokens=200_000, val_tokens=20_000)
     return folder
 
 

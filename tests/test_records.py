@@ -820,7 +820,9 @@ TRAIN_ARGS = ["--preset", "cpu", "--num_scheduled_iterations", "4", "--num_exten
 def test_extract_and_replay_real_trainer_log(tmp_path):
     """A real trainer log (synthetic data generated under tmp_path) verifies, and a replay
     with no arguments reruns it with the recorded ones under a new run id."""
-    for name in ("train_gpt.py", "track3.py", "ngram_prior.py"):
+    code = ("train_gpt.py", "track3.py", "ngram_prior.py", "data/synthetic.py")  # the cpu preset's corpus
+    (tmp_path / "data").mkdir()
+    for name in code:
         shutil.copy2(REPO / name, tmp_path / name)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     args = [*TRAIN_ARGS, "--matrix_optimizer", "adamw"]  # a track-3 run with the cpu preset's n-gram prior
@@ -831,8 +833,7 @@ def test_extract_and_replay_real_trainer_log(tmp_path):
     log = tmp_path / "logs" / "orig.txt"
     assert sorted((tmp_path / "logs").glob("*.txt")) == [log]
     # the log carries every file the run imported
-    assert rec.split_files(rec.extract_script_bytes(log)) == {
-        name: (REPO / name).read_bytes() for name in ("train_gpt.py", "track3.py", "ngram_prior.py")}
+    assert rec.split_files(rec.extract_script_bytes(log)) == {name: (REPO / name).read_bytes() for name in code}
     assert rec.verify_script(log) is True
     parts = rec.read_log(log)
     assert rec.recorded_args(parts, log) == [*args, "--run_id", "orig"]
@@ -842,7 +843,7 @@ def test_extract_and_replay_real_trainer_log(tmp_path):
     before = log.read_bytes()
 
     # the replay runs from the log's snapshot alone: a folder with the data and no code
-    for name in ("train_gpt.py", "track3.py", "ngram_prior.py"):
+    for name in code:
         (tmp_path / name).unlink()
     assert rec.main(["replay", "--nproc", "0", "--dir", str(tmp_path), str(log)]) == 0
     assert log.read_bytes() == before

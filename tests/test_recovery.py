@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import synthetic
 import train_gpt as tg
 from test_bad_input import one_line_error
 from test_multinode import free_port, single_log, torchrun
@@ -532,7 +533,8 @@ def test_log_and_checkpoint_folders_are_checked_before_any_work(corpus, tmp_path
 
 def test_a_data_path_that_does_not_exist_is_refused_and_not_created(tmp_path, monkeypatch):
     """It used to get data/synthetic/ made under it and 16 MB written there."""
-    monkeypatch.setattr(tg, "synthetic_corpus", lambda folder: pytest.fail(f"would write a corpus into {folder}"))
+    monkeypatch.setattr(synthetic, "synthetic_corpus",
+                        lambda folder, **_: pytest.fail(f"would write a corpus into {folder}"))
     monkeypatch.setenv("DATA_PATH", str(tmp_path / "nonexistent" / "xyz"))
     with pytest.raises(tg.DataError, match=f"DATA_PATH {tmp_path / 'nonexistent' / 'xyz'} is not a folder"):
         tg.resolve_data(tg.parse_args(["--preset", "cpu"]), 0)
@@ -541,7 +543,7 @@ def test_a_data_path_that_does_not_exist_is_refused_and_not_created(tmp_path, mo
 
 def test_the_synthetic_corpus_lives_in_the_working_folder_not_under_data_path(tmp_path, monkeypatch):
     made = []
-    monkeypatch.setattr(tg, "synthetic_corpus", made.append)
+    monkeypatch.setattr(synthetic, "synthetic_corpus", lambda folder, **_: made.append(folder))
     monkeypatch.setenv("DATA_PATH", str(tmp_path / "shared"))
     (tmp_path / "shared").mkdir()
     monkeypatch.chdir(tmp_path)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import smoke_checks
+import synthetic
 import train_gpt as tg
 from conftest import ROOT
 from smoke_checks import SyncCounter
@@ -56,7 +57,7 @@ def test_on_cuda_only_the_sync_debug_warnings_count():
 @pytest.fixture
 def trainer(tmp_path):
     folder = tmp_path / "corpus"
-    tg.synthetic_corpus(folder, train_tokens=60_000, val_tokens=8_192)
+    synthetic.markov_corpus(folder, train_tokens=60_000, val_tokens=8_192)
     threads = torch.get_num_threads()
     argv = ["--preset", "cpu", "--device", "cpu", "--batch_sizes", "512", "512", "512", "--grad_accum_base", "2",
             "--val_tokens", "1024", "--val_batch_size", "512", "--max_seq_len", "256", "--window_blocks", "2", "2", "2",

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import track3
+import synthetic
 import train_gpt as tg
 from test_optimizers import _free_port, _tagged, spec, table
 
@@ -504,7 +505,7 @@ def test_reference_comparison_has_power(kind):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("corpus")
-    tg.synthetic_corpus(folder, train_tokens=200_000, val_tokens=20_000)
+    synthetic.markov_corpus(folder, train_tokens=200_000, val_tokens=20_000)
     return folder
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import synthetic
 import train_gpt as tg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ THROUGHPUT_LINE = re.compile(r"^throughput: [\d,]+ tokens/s over [\d,]+ tokens; 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("corpus")
-    tg.synthetic_corpus(folder, train_tokens=200_000, val_tokens=20_000)
+    synthetic.markov_corpus(folder, train_tokens=200_000, val_tokens=20_000)
     return folder
 
 

@@ -493,8 +493,9 @@ class RecordRun:
         steps = hp.num_scheduled_iterations + hp.num_extension_iterations
         # the longest stretch without a restore: the timed loop, two counted steps and one more batch, with
         # room for the loader's BOS alignment
-        tg.synthetic_corpus(self.folder, train_tokens=max(2 * (steps + 3) * batch, 100_000),
-                            val_tokens=hp.val_tokens + 1)
+        tg.load_companion("data/synthetic.py").markov_corpus(
+            self.folder, train_tokens=max(2 * (steps + 3) * batch, 100_000), val_tokens=hp.val_tokens + 1,
+            write_shard=tg.write_shard)
         self._trainer = tg.Trainer(hp, self.argv)
         self.clocks = CompileClocks(self._trainer)
         return self._trainer
