@@ -693,6 +693,35 @@ def summary_line(outcomes):
             f"{len(outcomes) - len(ran)} not compiled")
 
 
+INVENTORY_COLUMNS = ("graph", "kernel", "read_bytes", "written_bytes", "grid", "configs", "shared_bytes",
+                     "registers", "spill_bytes")
+
+
+def inventory_rows(kernels):
+    """One row per compiled kernel (INVENTORY_COLUMNS): bytes its tensor arguments read and write at these
+    shapes (whole buffers), the grid of its first configuration ("" when not derived: templates, Polar
+    Express), and the largest shared memory, registers and spills over its configurations."""
+    return [dict(graph=k.graph, kernel=k.name, read_bytes=k.reads, written_bytes=k.writes,
+                 grid="x".join(map(str, k.grid)), configs=len(k.binaries),
+                 shared_bytes=max(b.shared for b in k.binaries), registers=max(b.registers for b in k.binaries),
+                 spill_bytes=max(b.spills for b in k.binaries)) for k in kernels]
+
+
+def write_inventory(path, outcomes, kernels):
+    """The kernel inventory: CSV (one row per kernel) for a .csv path, else JSON with the graphs too."""
+    rows = inventory_rows(kernels)
+    if path.suffix == ".csv":
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, INVENTORY_COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        return
+    graphs = [dict(graph=o.graph, status=o.status, kernels=o.kernels, seconds=round(o.seconds, 1),
+                   detail=o.detail) for o in outcomes]
+    path.write_text(json.dumps(dict(target="sm_90", shared_limit_bytes=H100_SMEM, graphs=graphs, kernels=rows),
+                               indent=1) + "\n")
+
+
 def select(graphs, only):
     """The graphs whose name contains one of `only` (case-insensitive), all without it."""
     if not only:
@@ -708,12 +737,16 @@ def build_arg_parser():
     parser.add_argument("--train-gpt", type=Path, default=ROOT / "train_gpt.py", metavar="FILE",
                         help="the train_gpt.py to compile (default: this checkout's), e.g. an old commit's")
     parser.add_argument("--kernels", action="store_true", help="print every kernel's line, not only the graphs'")
+    parser.add_argument("--inventory", type=Path, metavar="FILE",
+                        help="write the kernel inventory: FILE.csv (a row per kernel) or FILE.json (with the graphs)")
     return parser
 
 
 def check_args(parser, args):
     if not args.train_gpt.is_file():
         parser.error(f"--train-gpt {args.train_gpt}: no such file; give the path of a train_gpt.py")
+    if args.inventory and not args.inventory.parent.is_dir():
+        parser.error(f"--inventory {args.inventory}: no folder {args.inventory.parent}; make it first")
 
 
 def main(argv=None):
@@ -738,6 +771,9 @@ def main(argv=None):
     for o in outcomes:
         if o.status == "not compiled":
             print(f"not compiled: {o.graph}: {o.detail}")
+    if args.inventory:
+        write_inventory(args.inventory, outcomes, LOG.kernels)
+        print(f"kernel inventory: {args.inventory}")
     print(summary_line(outcomes))
     return 1 if any(o.status == "failed" for o in outcomes) else 0
 
