@@ -4,6 +4,7 @@ a scale of its own), and Triton 3.6's float8 NaN constant, which Inductor inline
 (new_empty) e5m2 buffer written in part (fixed in 2a7de79 by new_zeros). Each small graph fails, and its
 fixed form compiles for sm_90. Only with the GPU image's versions (CI's torch 2.11 leg): the check leans on
 their private APIs."""
+import csv
 import importlib.metadata
 import json
 import os
@@ -23,7 +24,7 @@ def gpu_image_versions():
     return (torch.__version__.split("+")[0], triton_version) == ("2.11.0", "3.6.0") and bool(torch.version.cuda)
 
 
-pytestmark = pytest.mark.skipif(not gpu_image_versions(), reason="needs torch 2.11.0 (CUDA build), Triton 3.6.0")
+needs_gpu_image = pytest.mark.skipif(not gpu_image_versions(), reason="needs torch 2.11.0 (CUDA build), Triton 3.6.0")
 ROOT = Path(__file__).resolve().parents[1]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 LAYERS = 4
@@ -86,6 +87,7 @@ def outcomes():
     return {line["case"]: line for line in lines}
 
 
+@needs_gpu_image
 def test_scaled_mm_with_scales_viewing_a_buffer_fails_to_lower(outcomes):
     failure = outcomes["view scales"]["failure"]
     assert failure is not None, "compiled, but Inductor 2.11 cannot lower a buffer view as _scaled_mm's scale"
@@ -95,6 +97,7 @@ def test_scaled_mm_with_scales_viewing_a_buffer_fails_to_lower(outcomes):
     assert fixed["failure"] is None and fixed["kernels"] > 0, fixed
 
 
+@needs_gpu_image
 def test_uninitialized_e5m2_buffer_fails_with_a_float8_nan_constant(outcomes):
     failure = outcomes["new_empty"]["failure"]
     assert failure is not None, "compiled, but Triton 3.6 cannot build a float8 NaN constant"
@@ -104,6 +107,35 @@ def test_uninitialized_e5m2_buffer_fails_with_a_float8_nan_constant(outcomes):
     assert "builder' object has no attribute 'get_fp8e5'" in error, failure
     fixed = outcomes["new_zeros"]
     assert fixed["failure"] is None and fixed["kernels"] > 0, fixed
+
+
+def test_inventory_reads_back_as_csv_and_json(tmp_path):
+    import cuda_compile_check as check
+    kernels = [check.Kernel("training", "triton_poi_fused_add_0", [check.Binary("{'XBLOCK': 1024}", 0, 20, 0)],
+                            reads=4096, writes=2048, numels={"x": 1024}, grid=(1, 1, 1)),
+               check.Kernel("training", "triton_mm_1", [check.Binary("a", 98304, 168, 0), check.Binary("b", 1024, 90, 8)],
+                            reads=100, writes=50)]
+    outcomes = [check.Outcome("training", "ok", 2, 3.25)]
+    check.write_inventory(tmp_path / "k.csv", outcomes, kernels)
+    with (tmp_path / "k.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["kernel"] for r in rows] == ["triton_poi_fused_add_0", "triton_mm_1"]
+    assert rows[0]["grid"] == "1x1x1" and rows[1]["grid"] == ""
+    assert (int(rows[1]["read_bytes"]), int(rows[1]["shared_bytes"]), int(rows[1]["spill_bytes"])) == (100, 98304, 8)
+    check.write_inventory(tmp_path / "k.json", outcomes, kernels)
+    inventory = json.loads((tmp_path / "k.json").read_text())
+    assert inventory["graphs"][0]["kernels"] == 2 and len(inventory["kernels"]) == 2
+    assert inventory["kernels"][1]["registers"] == 168
+
+
+def test_a_missing_file_is_one_line_naming_the_flag(capsys, tmp_path):
+    import cuda_compile_check as check
+    for flag in ("--train-gpt", "--reference"):
+        with pytest.raises(SystemExit) as exit_:
+            check.main([flag, str(tmp_path / "missing.txt")])
+        assert exit_.value.code == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("cuda_compile_check.py: error: " + flag), last
 
 
 if __name__ == "__main__":

@@ -683,6 +683,98 @@ def _raiser(error):
     return prepare
 
 
+# ---------------------------------------------------------------------------------------------- --reference
+
+def reference_launches(log_path, stage=2):
+    """{(launcher, argument keys): (meta arguments, meta keyword arguments)} of every kernel launcher a record log's script calls in one
+    training step of `stage` (its even and odd step) on one GPU, from tools/step_cost.py's trace of it."""
+    import reference_step
+    import step_cost
+    launches = {}
+
+    def recording(name, stand_in):
+        def call(*args, **kwargs):
+            key = (name, argument_key(args), argument_key(kwargs.values()), tuple(kwargs))
+            launches.setdefault(key, (meta_args(args), dict(zip(kwargs, meta_args(kwargs.values())))))
+            return stand_in(*args, **kwargs)
+        return call
+
+    with contextlib.ExitStack() as stack:
+        patch = stack.enter_context(_Patches())
+        patch(reference_step, "STAND_INS", {name: recording(name, fn) for name, fn in reference_step.STAND_INS.items()})
+        warnings.simplefilter("ignore")
+        step_cost.reference_stage_costs(log_path, 1, step_cost.GPU_PEAKS["h100"], stages=[stage])
+    return launches
+
+
+NVRTC_MARK = "_compile_kernel"  # a CUDA C++ kernel built by NVRTC at import: needs a device, not Triton
+
+
+def load_reference_kernels(log_path, folder):
+    """The log's triton_kernels.py as a module (written to `folder`, never the repository), without its
+    CUDA C++ kernel (built with a device at import); and the names of the launchers that need that kernel."""
+    import ast
+    import importlib.util
+    import reference_step
+    _, source = reference_step.split_log(Path(log_path).read_text(), str(log_path))
+    tree = ast.parse(source)
+    dropped = [n for n in tree.body if NVRTC_MARK in ast.unparse(n) or "ce_fwd_bwd_kernel." in ast.unparse(n)]
+    tree.body = [n for n in tree.body if n not in dropped]
+    path = Path(folder) / "triton_kernels.py"
+    path.write_text(ast.unparse(tree))
+    spec = importlib.util.spec_from_file_location("reference_triton_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    needs_nvrtc = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and "ce_fwd_bwd_kernel" in ast.unparse(n)}
+    return module, needs_nvrtc
+
+
+def compile_only_launches(run):
+    """JITFunction.run made to compile for the target and return without launching (Triton's warmup)."""
+
+    def warmup(self, *args, grid, warmup=False, **kwargs):
+        LOG.compiling = self.__name__
+        start = len(LOG.ptxas)
+        compiled = run(self, *args, grid=grid, warmup=True, **kwargs)
+        report = LOG.ptxas[start:][-1] if len(LOG.ptxas) > start else (0, 0)
+        options = {k: v for k, v in kwargs.items() if k.isupper() or k in ("num_warps", "num_stages")}
+        LOG.add(self.__name__, [Binary(str(options), compiled.metadata.shared, *report)],
+                grid if isinstance(grid, tuple) else ())
+        LOG.compiling = None
+        return compiled
+    return warmup
+
+
+def reference_graphs(log_path):
+    """#89's Triton kernels (its log's triton_kernels.py), one graph per launcher and argument key its script
+    calls in a stage-3 step, compiled for sm_90 through the launchers themselves."""
+    from triton.runtime.jit import JITFunction
+    folder = tempfile.TemporaryDirectory(prefix="cuda-compile-check-reference-")
+    loaded = {}
+
+    def launcher(name):
+        if not loaded:
+            loaded["module"], loaded["nvrtc"] = load_reference_kernels(log_path, folder.name)
+        if name in loaded["nvrtc"]:
+            raise RuntimeError("a CUDA C++ kernel that NVRTC builds with a device at import, not Triton")
+        return getattr(loaded["module"], name)
+
+    def launch(prepared):
+        fn, args, kwargs = prepared
+        with _Patches() as patch:
+            patch(JITFunction, "run", compile_only_launches(JITFunction.run))
+            fn(*args, **kwargs)
+
+    graphs = []
+    for key, (args, kwargs) in sorted(reference_launches(log_path).items(), key=str):
+        name = key[0]
+        shapes = ", ".join("x".join(map(str, a.shape)) for a in (*args, *kwargs.values())
+                           if isinstance(a, torch.Tensor))
+        graphs.append(Graph(f"reference {name} at {shapes}",
+                            lambda name=name, args=args, kwargs=kwargs: (launcher(name), args, kwargs), launch))
+    return graphs, folder
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 def summary_line(outcomes):
@@ -736,6 +828,9 @@ def build_arg_parser():
     parser.add_argument("--list", action="store_true", help="list the graphs and exit")
     parser.add_argument("--train-gpt", type=Path, default=ROOT / "train_gpt.py", metavar="FILE",
                         help="the train_gpt.py to compile (default: this checkout's), e.g. an old commit's")
+    parser.add_argument("--reference", type=Path, metavar="LOG",
+                        help="compile instead the Triton kernels of a modded-nanogpt record log's triton_kernels.py "
+                             "(e.g. #89's in ../shared/reference/), at the calls of its script's stage-3 step")
     parser.add_argument("--kernels", action="store_true", help="print every kernel's line, not only the graphs'")
     parser.add_argument("--inventory", type=Path, metavar="FILE",
                         help="write the kernel inventory: FILE.csv (a row per kernel) or FILE.json (with the graphs)")
@@ -745,6 +840,8 @@ def build_arg_parser():
 def check_args(parser, args):
     if not args.train_gpt.is_file():
         parser.error(f"--train-gpt {args.train_gpt}: no such file; give the path of a train_gpt.py")
+    if args.reference and not args.reference.is_file():
+        parser.error(f"--reference {args.reference}: no such file; give a modded-nanogpt record log")
     if args.inventory and not args.inventory.parent.is_dir():
         parser.error(f"--inventory {args.inventory}: no folder {args.inventory.parent}; make it first")
 
@@ -758,13 +855,17 @@ def main(argv=None):
         print(mismatch)
         return 2
     tg = load_train_gpt(args.train_gpt)
-    graphs = select(record_graphs(RecordRun(tg)), args.only)
+    if args.reference:
+        graphs, _folder = reference_graphs(args.reference)
+        graphs = select(graphs, args.only)
+    else:
+        graphs = select(record_graphs(RecordRun(tg)), args.only)
     if args.list:
         print("\n".join(g.name for g in graphs))
         return 0
     if not graphs:
         parser.error(f"--only {' '.join(args.only)}: no graph's name contains these words; see --list")
-    print(f"torch {torch.__version__}, Triton {running_versions()['triton']}; {args.train_gpt}")
+    print(f"torch {torch.__version__}, Triton {running_versions()['triton']}; {args.reference or args.train_gpt}")
     print("fake H100: " + "; ".join(FAKE_SETTINGS), flush=True)
     with fake_h100():
         outcomes = [run_graph(g, verbose=args.kernels) for g in graphs]
