@@ -1,6 +1,8 @@
-"""tools/compile_caches.py: the compile caches a first process saves (as gpu_smoke.py --save-caches does on a
-borrowed GPU) load into a second one with empty caches, whose compile of the same graph is then a cache hit.
-On the CPU with Inductor's C++ backend: the round trip is the same code as on CUDA."""
+"""tools/compile_caches.py: the compile caches a first process saves (as gpu_smoke.py --save-caches
+does on a borrowed GPU) load into a second one with empty caches, whose compile of the same graph is
+then a cache hit. On the CPU with Inductor's C++ backend: the round trip is the same code as on
+CUDA."""
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ def fresh_cache(monkeypatch, tmp_path):
     def use(name):
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / name))
         torch.compiler.reset()
+
     yield use
     torch.compiler.reset()
     torch._dynamo.reset()
@@ -29,6 +32,7 @@ def fresh_cache(monkeypatch, tmp_path):
 @pytest.mark.slow  # two C++ compiles: about 20 s on 2 cores
 def test_saved_caches_load_into_empty_ones_and_hit(fresh_cache, tmp_path):
     from torch._dynamo.utils import counters
+
     x = torch.randn(8, 16)
     fresh_cache("first")
     compile_once(x)
