@@ -405,9 +405,9 @@ def lower_function(fn, args):
         )
 
 
-def lower_module(module, args, mode):
-    """A module's call (forward and backward where its output needs gradients) lowered for the faked
-    H100: traced on fake CPU tensors (the autograd engine asks the CUDA driver about device 0 when
+def lower_module(module, args, mode, training=True):
+    """A module's call (forward and backward in training, the forward alone under no_grad as the
+    trainer validates) lowered for the faked H100: traced on fake CPU tensors (the autograd engine asks the CUDA driver about device 0 when
     the backward is traced on CUDA ones), the captured graphs moved to cuda and each lowered by
     Inductor."""
     import torch._functorch.config as functorch_config
@@ -438,13 +438,12 @@ def lower_module(module, args, mode):
     torch._dynamo.reset()
     with contextlib.ExitStack() as stack:
         patch = stack.enter_context(_Patches())
-        patch(
-            flex_module, "_validate_device", lambda *a, **k: None
-        )  # FlexAttention's CPU backward: traced only
-        patch(
-            functorch_config, "force_non_lazy_backward_lowering", True
-        )  # capture the backward now
+        # FlexAttention's CPU backward: traced only; the backward captured now
+        patch(flex_module, "_validate_device", lambda *a, **k: None)
+        patch(functorch_config, "force_non_lazy_backward_lowering", True)
         stack.enter_context(mode)
+        if not training:
+            stack.enter_context(torch.no_grad())
         out = torch.compile(module, dynamic=False, fullgraph=True, backend=backend)(*args)
         if out.requires_grad:
             out.backward()
@@ -812,7 +811,7 @@ def record_graphs(run, world_sizes=(1, 8)):
         Graph(
             f"validation forward at {run.val_tokens:,} tokens",
             run.validation_forward,
-            lambda p: lower_module(p[1], p[2], p[0]),
+            lambda p: lower_module(p[1], p[2], p[0], training=False),
         ),
         Graph(
             f"FP8 head forward helper at {run.tokens:,} tokens",
