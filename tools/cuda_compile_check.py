@@ -57,7 +57,7 @@ FAKE_SETTINGS = (
     "compile only: no cubin loaded, so no autotuning and no rblock rescaling by register count",
     "joint-graph constant folding off (it evaluates aten.full on the device)",
     "1 compile thread, Triton's launcher (no static CUDA launcher), caches off (all compiled cold)",
-    "training graphs traced on fake CPU tensors, then moved to cuda and lowered",
+    "every graph traced on fake CPU tensors, then moved to cuda and lowered",
 )
 
 
@@ -376,44 +376,38 @@ class _Patches:
 # lowering
 
 
-def on_cuda(t, mode):
-    """A fake CUDA tensor with t's shape, strides and dtype (t: a real or fake tensor of any
+def on_device(t, mode, device):
+    """A fake tensor on `device` with t's shape, strides and dtype (t: a real or fake tensor of any
     device)."""
     if not isinstance(t, torch.Tensor):
         return t
     meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    return mode.from_tensor(meta).to("cuda")
+    return mode.from_tensor(meta).to(device)
 
 
 def lower_function(fn, args):
-    """fn compiled by Inductor for the faked H100 at args (any device: made fake CUDA tensors of
-    their shapes, strides and dtypes), as torch.compile(fn, dynamic=False) compiles it on a GPU;
-    nothing runs."""
-    from torch._inductor.compile_fx import compile_fx
+    """fn compiled by Inductor for the faked H100 at args (any device: only their shapes, strides
+    and dtypes count), as torch.compile(fn, dynamic=False) compiles it on a GPU under no_grad;
+    traced as lower_module traces. Nothing runs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def backend(gm, inputs):
-        compile_fx(gm, inputs)
-        return (
-            gm  # what runs next, on the fake tensors: not the compiled code, which needs a device
-        )
-
-    torch._dynamo.reset()
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)(
-            *[on_cuda(a, mode) for a in args]
-        )
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        cpu_args = [on_device(a, mode, "cpu") for a in args]
+    lower_module(fn, cpu_args, mode, training=False)
 
 
 def lower_module(module, args, mode, training=True):
-    """A module's call (forward and backward in training, the forward alone under no_grad as the
-    trainer validates) lowered for the faked H100: traced on fake CPU tensors (the autograd engine asks the CUDA driver about device 0 when
-    the backward is traced on CUDA ones), the captured graphs moved to cuda and each lowered by
-    Inductor."""
+    """A module's (or function's) call lowered for the faked H100: forward and backward in
+    training, the forward alone under no_grad otherwise (as the trainer validates). Traced on fake
+    CPU tensors (the autograd engine asks the CUDA driver about device 0 when a backward is traced
+    on CUDA ones; a constant made from Python data on a fake CUDA tensor needs the driver too), the
+    captured graphs moved to cuda and each lowered by Inductor."""
     import torch._functorch.config as functorch_config
     import torch.nn.attention.flex_attention as flex_module
     from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.compile_fx import _recursive_joint_graph_passes, compile_fx_inner
+    from torch._inductor.compile_fx import partition_fn as inductor_partition
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -432,7 +426,10 @@ def lower_module(module, args, mode, training=True):
             inputs,
             fw_compiler=capture("forward"),
             bw_compiler=capture("backward"),
+            inference_compiler=capture("inference"),
             decompositions=select_decomp_table(),
+            partition_fn=inductor_partition,  # as compile_fx: joint-graph passes, min-cut
+            keep_inference_input_mutations=True,
         )
 
     torch._dynamo.reset()
@@ -445,7 +442,7 @@ def lower_module(module, args, mode, training=True):
         if not training:
             stack.enter_context(torch.no_grad())
         out = torch.compile(module, dynamic=False, fullgraph=True, backend=backend)(*args)
-        if out.requires_grad:
+        if training:
             out.backward()
     for kind, gm, inputs in captured:
         for node in gm.graph.nodes:
@@ -453,8 +450,12 @@ def lower_module(module, args, mode, training=True):
                 node.kwargs = {**node.kwargs, "device": torch.device("cuda", 0)}
         gm.recompile()
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            cuda_inputs = [on_cuda(t, mode) for t in inputs]
-        compile_fx_inner(gm, cuda_inputs, is_backward=kind == "backward")
+            cuda_inputs = [on_device(t, mode, "cuda") for t in inputs]
+        if kind == "inference":  # as compile_fx's inference path does before lowering
+            gm = _recursive_joint_graph_passes(gm, input_device=torch.device("cuda", 0))
+        compile_fx_inner(
+            gm, cuda_inputs, is_backward=kind == "backward", is_inference=kind == "inference"
+        )
     return captured
 
 
