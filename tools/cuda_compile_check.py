@@ -83,8 +83,7 @@ def version_mismatch():
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# kernels
+# ---------------------------------------------------------------------- kernels
 
 
 @dataclasses.dataclass
@@ -157,8 +156,7 @@ def ptxas_report(text):
     return int(regs.group(1)) if regs else 0, int(spills.group(1)) if spills else 0
 
 
-# ---------------------------------------------------------------------------------------------- the
-# fake H100
+# ---------------------------------------------------------------------- the fake H100
 
 
 class FakeDriver:
@@ -372,8 +370,7 @@ class _Patches:
             setattr(owner, name, value)
 
 
-# ----------------------------------------------------------------------------------------------
-# lowering
+# ---------------------------------------------------------------------- lowering
 
 
 def on_device(t, mode, device):
@@ -481,8 +478,7 @@ def lower_triton_kernel(kernel, args, constexprs, config):
     LOG.compiling = None
 
 
-# ---------------------------------------------------------------------------------------------- the
-# plan
+# ---------------------------------------------------------------------- the plan
 
 
 @dataclasses.dataclass
@@ -584,10 +580,10 @@ def run_graph(graph, verbose=True):
     )
 
 
-# ---------------------------------------------------------------------------------------------- the
-# record run Everything this tool knows of train_gpt.py is in this section: the entry points it
-# calls and the shapes of the record run (its defaults), so that a restructured train_gpt.py changes
-# this section only.
+# ---------------------------------------------------------------------- the record run
+# Everything this tool knows of train_gpt.py is in this section: the entry points it calls and
+# the shapes of the record run (its defaults), so that a restructured train_gpt.py changes this
+# section only.
 
 
 def load_train_gpt(path):
@@ -776,8 +772,7 @@ class RecordRun:
         return {(dim, 4 * dim), (min(rows, cols), max(rows, cols))}
 
 
-# ----------------------------------------------------------------------------------------------
-# graphs
+# ---------------------------------------------------------------------- graphs
 
 
 def lower_triton_specialization(kernel, args, configs):
@@ -885,8 +880,7 @@ def _raiser(error):
     return prepare
 
 
-# ----------------------------------------------------------------------------------------------
-# --reference
+# ---------------------------------------------------------------------- --reference
 
 
 def reference_launches(log_path, stage=2):
@@ -1018,8 +1012,7 @@ def reference_graphs(log_path):
     return graphs, folder
 
 
-# ----------------------------------------------------------------------------------------------
-# main
+# ---------------------------------------------------------------------- main
 
 
 def summary_line(outcomes):
