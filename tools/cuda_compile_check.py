@@ -214,6 +214,11 @@ def compile_only(self, *args, **kwargs):
         Binary(str(r.config.kwargs), r.kernel.metadata.shared, *report)
         for r, report in zip(self.compile_results, reports)
     ]
+    if len(binaries) < len(self.compile_results):  # compiled before in this process: no ptxas run
+        binaries = [
+            Binary(str(r.config.kwargs), r.kernel.metadata.shared, 0, 0)
+            for r in self.compile_results
+        ]
     LOG.add(self.fn.__name__, binaries, inductor_grid(self, self.compile_results[0].config))
     LOG.compiling = None
 
@@ -643,8 +648,18 @@ class RecordRun:
                 None,
             )
 
+    def batch(self, tokens, mode):
+        """A Batch of one document of `tokens` positions (as tools/plan_memory.py plans one), fake."""
+        import numpy as np
+
+        tg = self.tg
+        window = np.full(tokens + 1, tg.BOS_ID)
+        rows = self.hp.bigram_vocab_size
+        bigrams = tg.bigram_hash(window[:-1], rows) if rows else None
+        batch = tg.model_inputs(window, [tokens], torch.device("cpu"), bigrams)
+        return tg.Batch(*(None if t is None else mode.from_tensor(t) for t in batch))
+
     def training_step(self):
-        from plan_memory import plan_batch
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -652,14 +667,11 @@ class RecordRun:
         plan = self.schedule.at(self.step)
         model.follow_window(plan.windows)
         with mode:
-            batch = [
-                None if t is None else mode.from_tensor(t) for t in plan_batch(self.hp, self.tokens)
-            ]
-            args = (batch[0], batch[1], batch[2], plan.window_tensor, batch[4], plan.mtp_weights)
-        return mode, model, args
+            b = self.batch(self.tokens, mode)
+            args = (b.inputs, b.targets, b.cu_seqlens, plan.window_tensor, b.bigram_ids)
+        return mode, model, (*args, plan.mtp_weights)
 
     def validation_forward(self):
-        from plan_memory import plan_batch
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -667,11 +679,8 @@ class RecordRun:
         plan = self.schedule.at(self.schedule.total_steps)
         model.follow_window(plan.windows)
         with mode:
-            batch = [
-                None if t is None else mode.from_tensor(t)
-                for t in plan_batch(self.hp, self.val_tokens)
-            ]
-            args = (batch[0], batch[1], batch[2], plan.val_window_tensor, batch[4])
+            b = self.batch(self.val_tokens, mode)
+            args = (b.inputs, b.targets, b.cu_seqlens, plan.val_window_tensor, b.bigram_ids)
         return mode, model, args
 
     def head_shapes(self):
