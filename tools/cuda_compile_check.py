@@ -649,7 +649,7 @@ class RecordRun:
             )
 
     def batch(self, tokens, mode):
-        """A Batch of one document of `tokens` positions (as tools/plan_memory.py plans one), fake."""
+        """A fake Batch of one document of `tokens` positions (as tools/plan_memory.py plans)."""
         import numpy as np
 
         tg = self.tg
