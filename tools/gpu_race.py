@@ -19,8 +19,8 @@ micro-step and the optimizer step).
 
 Output: `race: ours X ms/step, #89 (attention: Z) Y ms/step, ratio X/Y; ledger predicted X' / Y'`,
 the losses of the first steps, the per-class table; in --out: race.txt (the output), kernels.csv and
-classes.csv, times.csv, and compile_cache.bin (torch.compiler.save_cache_artifacts, on a GPU;
---load-cache FILE loads one first).
+classes.csv, times.csv. --load-caches DIR loads the compile caches a smoke saved with --save-caches
+DIR (tools/compile_caches.py) first.
 """
 
 import argparse
@@ -44,7 +44,6 @@ DEFAULT_LOG = (
     / "reference"
     / "modded-nanogpt_2026-07-17_FP8DownProjection_11cb620c.txt"
 )
-MAX_FILE_BYTES = 16 * 2**20  # what a borrowed machine sends back: at most 8 files of at most 16 MiB
 STAGE = 2  # stage 3 (0-based), the record's last third
 
 
@@ -60,6 +59,7 @@ if wants_interpreter(sys.argv[1:]):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import compile_caches  # noqa: E402
 import reference_kernels  # noqa: E402
 import reference_step  # noqa: E402
 import step_cost  # noqa: E402
@@ -607,20 +607,6 @@ def write_csvs(folder, sides, device):
             writer.writerows([side.step.name, i, f"{ms:.4f}"] for i, ms in enumerate(side.times))
 
 
-def save_compile_cache(path):
-    """torch.compiler.save_cache_artifacts into `path`, unless it would pass MAX_FILE_BYTES; a line
-    saying what."""
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
-        return "compile cache: nothing to save"
-    data = saved[0]
-    if len(data) > MAX_FILE_BYTES:
-        megabytes = len(data) / 2**20
-        return f"compile cache: {megabytes:.1f} MiB, over the 16 MiB a file may have: not kept"
-    Path(path).write_bytes(data)
-    return f"compile cache: {len(data) / 2 ** 20:.1f} MiB in {path}"
-
-
 # ---- the race
 
 
@@ -687,20 +673,14 @@ def parse(argv):
     parser.add_argument("--kernels", choices=("torch", "interpreter"), default=None,
                         help="dry run: #89's Triton kernels as torch stand-ins (default) or in "
                              "Triton 3.6's interpreter (wrong at these shapes: see kernels_for)")
-    parser.add_argument(
-        "--load-cache",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="torch.compiler.load_cache_artifacts from FILE first (a smoke's or a race's cache)",
-    )
+    parser.add_argument("--load-caches", type=Path, default=None, metavar="DIR",
+                        help="load the compile caches a smoke saved with --save-caches DIR first")
     args = parser.parse_args(argv)
     if not args.log.is_file():
         parser.error(f"--log {args.log}: no such file (modded-nanogpt record #89's log)")
-    if args.load_cache is not None and not args.load_cache.is_file():
-        parser.error(
-            f"--load-cache {args.load_cache}: no such file (a compile cache a race or smoke wrote)"
-        )
+    if args.load_caches is not None and not args.load_caches.is_dir():
+        parser.error(f"--load-caches {args.load_caches}: no such folder; give the DIR of a smoke's "
+                     f"--save-caches")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device; pass --dry-run to run the race at tiny shapes on the CPU")
     if args.kernels == "interpreter" and not triton_interprets_fp8():
@@ -731,9 +711,9 @@ def main(argv=None):
         output.write(line + "\n")
         output.flush()
 
-    if args.load_cache is not None:
-        torch.compiler.load_cache_artifacts(args.load_cache.read_bytes())
-        say(f"compile cache loaded from {args.load_cache}")
+    if args.load_caches is not None:
+        say(f"compile caches: {compile_caches.load(args.load_caches):,} bytes loaded from "
+            f"{args.load_caches}")
     say(
         f"race at {shape.name} shape: {shape.tokens:,} tokens in one micro-step of stage 3, then "
         f"the optimizer step, world size 1, {'compiled' if shape.compiled else 'eager'}, on "
@@ -749,8 +729,6 @@ def main(argv=None):
     ]:
         say(line)
     write_csvs(args.out, (ours, theirs), device)
-    if device.type == "cuda":
-        say(save_compile_cache(args.out / "compile_cache.bin"))
     say(race_line(ours, theirs))
     output.close()
     return 0

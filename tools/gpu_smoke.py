@@ -5,7 +5,6 @@
     python3 tools/gpu_smoke.py --dry-run          # the same checks at toy sizes on the CPU (the test suite runs this)
     python3 tools/gpu_smoke.py --only memory,fp8_head   # those checks alone (and the record run's phases they need)
     python3 tools/gpu_smoke.py --pytest           # also tests/test_gpu.py and tests/test_kernels.py (heavy: minutes more)
-    python3 tools/gpu_smoke.py --save-cache FILE  # then its compile caches into FILE (for tools/gpu_race.py)
 
 The checks are tools/smoke_checks.py's, in order of value. First the record model on a synthetic corpus, at one
 batch size throughout (one training graph): three steps from initialization (every parameter moves; its first
@@ -36,6 +35,7 @@ import torch  # noqa: E402
 if "--dry-run" in sys.argv[1:] or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when train_gpt's kernels are decorated, at import
 
+import compile_caches  # noqa: E402
 import smoke_checks as sc  # noqa: E402
 
 DEFAULT_DEADLINE_S = 480  # one borrowed-GPU command may run 600 s: this leaves room for start-up and a rerun
@@ -83,13 +83,14 @@ def main(argv=None):
     parser.add_argument("--only", type=check_list, metavar="NAME,...",
                         help="run these checks alone (with the record run's phases they need), e.g. to pick up "
                              "where a run stopped at its deadline")
-    parser.add_argument("--save-cache", type=Path, default=None, metavar="FILE",
-                        help="after the checks, torch.compiler.save_cache_artifacts into FILE (CUDA only): "
-                             "tools/gpu_race.py --load-cache FILE then compiles the training graph from it")
+    parser.add_argument("--load-caches", type=Path, metavar="DIR",
+                        help="load the compile caches a run saved with --save-caches first (skips the cold compile)")
+    parser.add_argument("--save-caches", type=Path, metavar="DIR",
+                        help=f"save this run's compile caches into DIR at the end (at most "
+                             f"{compile_caches.MAX_FILES} files of {compile_caches.MAX_FILE_BYTES >> 20} MiB)")
     args = parser.parse_args(argv)
-    if args.save_cache is not None and (args.dry_run or not args.save_cache.parent.is_dir()):
-        parser.error(f"--save-cache {args.save_cache}: " + ("the dry run compiles nothing" if args.dry_run else
-                                                            "its folder does not exist"))
+    if args.load_caches and not args.load_caches.is_dir():
+        parser.error(f"--load-caches {args.load_caches}: no such folder; give the DIR of a --save-caches run")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device; pass --dry-run to check the script on the CPU")
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
@@ -100,6 +101,8 @@ def main(argv=None):
     except ValueError as e:
         shutil.rmtree(folder, ignore_errors=True)
         parser.error(f"--only: {e}")
+    if args.load_caches:
+        print(f"compile caches: {compile_caches.load(args.load_caches):,} bytes loaded from {args.load_caches}")
     print(plan.plan_line(), flush=True)
     counts = {"passed": 0, "info": 0, "skipped": {"need CUDA": 0, "past the deadline": 0}}
     failures, late, start = [], [], time.perf_counter()
@@ -130,9 +133,9 @@ def main(argv=None):
     if late:
         print(f"rerun the checks skipped at the deadline: tools/gpu_smoke.sh{' --dry-run' if args.dry_run else ''} "
               f"--only {','.join(late)}", flush=True)
-    if args.save_cache is not None:
-        from gpu_race import save_compile_cache
-        print(save_compile_cache(args.save_cache), flush=True)
+    if args.save_caches:
+        parts, size = compile_caches.save(args.save_caches)
+        print(f"compile caches: {size:,} bytes saved in {parts} file(s) to {args.save_caches}", flush=True)
     for line in summary_lines(counts, failures, time.perf_counter() - start, plan.budget_s()):
         print(line, flush=True)
     return 1 if failures else 0
