@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-MAX_FILES, MAX_FILE_BYTES = 8, 16 << 20
+# a borrowed machine sends back 8 files of at most 16 MiB: the caches take 7, the smoke's output one
+MAX_FILES, MAX_FILE_BYTES = 7, 16 << 20
 PART = "compile-caches.part{:d}"
 
 
