@@ -747,12 +747,11 @@ class RecordRun:
             return call
 
         with plan_memory.fake_world(world_size), FakeTensorMode():
-            model = plan_memory.planned_model(hp, True, tg.grad_accum_steps(hp, world_size))
-            matrix_opt, adam = tg.make_optimizers(model, hp, compile_math=True)
+            # the compiled path's arguments (planned_backend: Polar Express in torch, as Triton
+            # cannot run on fake tensors)
+            model, backend = plan_memory.planned_model(hp, True, tg.grad_accum_steps(hp, world_size))
+            matrix_opt, adam = tg.make_optimizers(model, hp, backend._replace(compile_math=True))
             adam.math = recording("DistAdam's update", tg.adam_update_)
-            matrix_opt.polar = dict(
-                tg.GPU_POLAR_EXPRESS, use_triton=False
-            )  # Triton cannot run on fake tensors
             matrix_opt.normalize = recording("NorMuon's normalization", tg.normalize_variance)
             matrix_opt.apply_update = recording("NorMuon's cautious update", tg.cautious_update)
             plan = tg.Schedule(hp).at(1)
