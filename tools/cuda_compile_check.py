@@ -1115,6 +1115,14 @@ def build_arg_parser():
     )
     parser.add_argument("--list", action="store_true", help="list the graphs and exit")
     parser.add_argument(
+        "--known-failure",
+        nargs="+",
+        default=[],
+        metavar="WORD",
+        help="graphs (by a word of their name) whose failure is known and reported: they fail "
+        "loudly but do not set the exit status; one that compiles does (drop it from the list)",
+    )
+    parser.add_argument(
         "--train-gpt",
         type=Path,
         default=ROOT / "train_gpt.py",
@@ -1189,8 +1197,15 @@ def main(argv=None):
     if args.inventory:
         write_inventory(args.inventory, outcomes, LOG.kernels)
         print(f"kernel inventory: {args.inventory}")
+    known = [o for o in outcomes if any(w in o.graph for w in args.known_failure)]
+    for o in known:
+        if o.status == "failed":
+            print(f"known failure (--known-failure): {o.graph}: {o.detail}")
+        elif o.status == "ok":
+            print(f"{o.graph} compiles now: drop it from --known-failure")
     print(summary_line(outcomes))
-    return 1 if any(o.status == "failed" for o in outcomes) else 0
+    unexpected = [o for o in outcomes if o.status == "failed" and o not in known]
+    return 1 if unexpected or any(o.status == "ok" for o in known) else 0
 
 
 if __name__ == "__main__":
