@@ -302,11 +302,11 @@ def test_adam_step_of_every_group_matches_the_reference():
     assert set(groups) == set(tg.ADAM_GROUPS)
     g = torch.Generator().manual_seed(5)
     for ours, theirs in groups.items():
-        p = tg.adam_tag(torch.nn.Parameter(torch.randn(32, 8, generator=g)), ours, hp)
+        p = torch.nn.Parameter(torch.randn(32, 8, generator=g))
         grad = torch.randn(32, 8, generator=g) * 0.01
         grad[0, 0] = 0.0
         initial = p.detach().clone()
-        adam = tg.DistAdam([p], hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd)
+        adam = tg.DistAdam([(p, tg.adam_spec(ours, hp))], hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd)
         adam.set_schedule(lr_step, 0.0)
         p.grad = grad.clone()
         adam.step()

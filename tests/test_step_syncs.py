@@ -64,7 +64,7 @@ def trainer(tmp_path):
             "--extension_window_blocks", "2", "--final_val_window_blocks", "3", "--num_layers", "9",
             "--model_dim", "64", "--num_heads", "2", "--head_dim", "32", "--window_block_tokens", "64",
             "--cpu_threads", "1", "--warmup_steps", "0", "--num_scheduled_iterations", "6",
-            "--num_extension_iterations", "0", "--log_dir", str(tmp_path / "logs"),
+            "--num_extension_iterations", "0", "--log_dir", str(tmp_path / "logs"), "--ngram_prior", "0",
             "--train_files", str(folder / "synthetic_train_*.bin"), "--val_files", str(folder / "synthetic_val_*.bin")]
     trainer = tg.Trainer(tg.parse_args(argv), argv)
     yield trainer

@@ -138,7 +138,7 @@ RECORD = Size("record", trainer_flags=(), head=(micro_batch_tokens(RECORD_HP), R
               tile_shape=(208, 80))
 TOY = Size("toy", trainer_flags=("--preset", "cpu", "--num_layers", "9", "--model_dim", "64", "--num_heads", "2",
                                  "--head_dim", "32", "--batch_sizes", "512", "512", "512", "--val_batch_size", "1024",
-                                 "--cpu_threads", "2"),
+                                 "--cpu_threads", "2", "--ngram_prior", "0"),  # the record's path: no prior
            head=(512, 64, 1024), polar_stack=2, attention_tokens=2000, timed_steps=(3, 1), timing_repeats=1,
            tile_shape=(200, 72))
 
