@@ -551,8 +551,8 @@ def test_a_prior_that_cannot_fit_in_memory_is_refused_before_the_log(corpus, tmp
 
 def test_out_of_memory_while_counting_the_prior_is_one_line_before_the_log(corpus, tmp_path,
                                                                             capsys, monkeypatch):
-    """A MemoryError while counting was a traceback. The prior is counted at setup, before the log is
-    written: one line, and the run id stays free."""
+    """A MemoryError while counting was a traceback. The prior is counted at setup, before the
+    log is written: one line, and the run id stays free."""
     def out_of_memory(*args):
         raise MemoryError("Unable to allocate 3.66 MiB for an array with shape (60000, 8) and data "
                           "type int64")
