@@ -438,7 +438,7 @@ class TrainLoader:
         self.files = sorted(glob.glob(pattern))
         if not self.files:
             raise DataError(f"no training shards match {pattern!r}; download them with "
-                            f"`python data/cached_fineweb10B.py` or pass --train_files")
+                            f"`{data_script(pattern)}` or pass --train_files")
         self.shard_tokens, self.fingerprints = [], []
         for path in self.files:  # each readable, with a sound header and tokens, before step 1
             read_shard(path, max_tokens=0)
@@ -557,7 +557,7 @@ def read_validation_tokens(pattern, count, vocab_size=None):
     files = sorted(glob.glob(pattern))
     if not files:
         raise DataError(f"no validation shards match {pattern!r}; download them with "
-                        f"`python data/cached_fineweb10B.py` or pass --val_files")
+                        f"`{data_script(pattern)}` or pass --val_files")
     parts, have = [], 0
     for path in files:
         if have == count:
@@ -2790,6 +2790,8 @@ def open_data(hp, schedule, rank, world_size, device, accum, log):
                         f"{max(loader.shard_tokens)}; use smaller batches or larger shards")
     if not hp.cycle_data:
         check_shards_last(hp, schedule, loader.files, loader.shard_tokens, world_size, accum)
+    else:
+        check_a_shard_fills_each_micro_step(schedule, train_pattern, loader, world_size, accum)
     return loader, val_tokens, sorted(glob.glob(val_pattern))
 
 
@@ -2864,12 +2866,16 @@ class Trainer:
             self.loader, self.val_tokens, val_files = open_data(hp, self.schedule, self.rank,
                                                                 self.world_size, self.device,
                                                                 self.accum, self.log)
+            self.val_shards = shard_record(val_files)
             self.resume_path, self.resume_from = checkpoint_to_resume(hp, self.checkpoint_folder,
                                                                       self.log, continuing)
             if self.resume_from is not None:
-                check_resumable(self.resume_path, self.resume_from, hp, self.total_steps)
+                check_resumable(self.resume_path, self.resume_from, hp, self.total_steps,
+                                self.log)
                 check_same_shards(self.resume_path, self.resume_from["loader"], self.loader,
                                   hp.force, self.log)
+                check_same_validation(self.resume_path, self.resume_from.get("validation"),
+                                      val_files, hp.force, self.log)
             # --ngram_prior's counts, on the clock (prior_ms joins the training time), and the
             # device's paths (FP8 or not, the prior in the CPU loss), decided once
             self.prior, self.prior_ms = self.count_prior() if hp.ngram_prior else (None, 0.0)
@@ -2884,11 +2890,8 @@ class Trainer:
                                            hp.window_block_tokens)
         val_chunk = tokens_per_rank(hp.val_batch_size, self.world_size, self.accum)
         if val_chunk > piece_cap(hp):
-            self.log(
-                f"validation: forwards of {val_chunk:,} tokens in pieces of "
-                f"{validation_piece_length(val_chunk, hp.micro_batch_tokens, self.val_context):,} "
-                f"positions (at most {hp.micro_batch_tokens} tokens, after {self.val_context:,} of "
-                f"context: the receptive field)")
+            self.log(describe_validation_pieces(val_chunk, hp.micro_batch_tokens,
+                                                self.val_context))
         self.stats, self.clock = RunStats(self.device), TrainClock(self.device)
         self.profiler = StepProfiler(hp, self.run_id, self.total_steps, self.log)
         self.step, self.tokens_seen = 0, 0
@@ -2896,10 +2899,9 @@ class Trainer:
             self.log.open(continuing)
 
     def count_prior(self):
-        """(--ngram_prior's prior counted from the training shards, the ms it took)."""
+        """(--ngram_prior's prior from the training shards: counted_prior; the ms it took)."""
         began = time.perf_counter()
-        prior = load_companion("ngram_prior.py").count_ngram_prior(self.hp, self.loader.files,
-                                                                   self.log)
+        prior = counted_prior(self.hp, self.loader.files, sum(self.loader.shard_tokens), self.log)
         return prior, 1000 * (time.perf_counter() - began)
 
     def begin_step(self, step):
@@ -2978,7 +2980,7 @@ class Trainer:
             matrix=self.matrix_opt.state_dict(), adam=self.adam.state_dict(),
             loader=self.loader.state_dict(), rng=rng_state(self.device),
             script_sha256=script_sha256(self.hp), world_size=self.world_size,
-            hyperparameters=dataclasses.asdict(self.hp))
+            hyperparameters=dataclasses.asdict(self.hp), validation=self.val_shards)
 
     def restore(self, snap):
         self.model.load_state_dict(snap["model"])
@@ -3486,6 +3488,56 @@ def step_shards_run_out(hp, stages, files, world_size, accum):
     return None
 
 
+def check_a_shard_fills_each_micro_step(schedule, pattern, loader, world_size, accum):
+    """With --cycle_data the shards never run out, but a micro-step comes from one shard: refuse
+    shards none of which holds one of some stage (plan_pieces from its start). The loader's first
+    shard, already read, is checked first; the others are read only if it falls short."""
+    needs = {(tokens_per_rank(stage.batch_tokens, world_size, accum), stage.max_seq_len)
+             for stage in schedule.stages}
+    for index, path in enumerate(loader.files):
+        if index == 0:
+            size, bos = len(loader.tokens), loader.bos.available(need_all=True)
+        else:
+            tokens = read_shard(path)
+            size, bos = tokens.size, np.flatnonzero(tokens == BOS_ID)
+        needs = {(rank_tokens, max_seq_len) for rank_tokens, max_seq_len in needs
+                 if plan_pieces(bos, size, 0, world_size, rank_tokens + 1, max_seq_len) is None}
+        if not needs:
+            return
+    rank_tokens, max_seq_len = max(needs)
+    raise DataError(f"no training shard of {pattern} holds one micro-step of {rank_tokens:,} "
+                    f"tokens per rank ({world_size} rank(s); whole documents of at most "
+                    f"{max_seq_len} tokens, the stage's sequence length, the rest of each "
+                    f"skipped): a micro-step comes from one shard, even with --cycle_data; use "
+                    f"shards of more documents or smaller --batch_sizes")
+
+
+def available_memory_bytes():
+    """Memory this process may still take: the kernel's MemAvailable, or less under a cgroup (v2)
+    limit; None where neither can be read."""
+    found = []
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+            found.append(int(line.split()[1]) * 1024)
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    return min(found) if found else None
+
+
+def counted_prior(hp, files, tokens, log):
+    """ngram_prior.py's count_ngram_prior of `files` (`tokens` tokens): refused at setup where its
+    least peak exceeds the available memory, and running out of memory anyway is one line."""
+    ngram = load_companion("ngram_prior.py")
+    ngram.check_counting_fits(hp, tokens, available_memory_bytes())
+    try:
+        return ngram.count_ngram_prior(hp, files, log)
+    except MemoryError:
+        raise ngram.out_of_memory(hp, tokens) from None
+
+
 # ----------------------------------------------------------------------------------------------
 # Run bookkeeping: log, run lock, checkpoints, resume checks, ranks, stop signals, profiler
 
@@ -3727,8 +3779,21 @@ def trajectory_changes(ours, theirs, free=RESUME_FREE_FLAGS):
     return [name for name in ours if name not in free and ours[name] != theirs.get(name)]
 
 
-def check_resumable(path, snap, hp, total_steps):
-    """Refuse, in one line, a checkpoint that a run with `hp` cannot continue faithfully."""
+def forced_overrides(snap, hp, ours, theirs):
+    """What --force lets a resume override: each trajectory setting, old -> new; another script."""
+    def text(value):
+        return _flag_text(tuple(value) if isinstance(value, list) else value)
+    items = [f"--{name} {text(theirs.get(name))} -> {text(ours[name])}"
+             for name in trajectory_changes(ours, theirs)]
+    if snap["script_sha256"] != script_sha256(hp):
+        items.append(f"another train_gpt.py (sha256 {snap['script_sha256'][:12]} -> "
+                     f"{script_sha256(hp)[:12]})")
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
+
+
+def check_resumable(path, snap, hp, total_steps, log):
+    """Refuse, in one line, a checkpoint that a run with `hp` cannot continue faithfully; under
+    --force, warn in one line (`log`) naming what it overrides."""
     ours, theirs = dataclasses.asdict(hp), snap["hyperparameters"]
     theirs = {"matrix_optimizer": "normuon", **theirs}
     shape = [name for name in MODEL_SHAPE_FLAGS if ours[name] != theirs.get(name)]
@@ -3740,6 +3805,10 @@ def check_resumable(path, snap, hp, total_steps):
         raise ConfigError(f"{path} is at step {snap['step']}, past this run's last step "
                           f"{total_steps}; resume an earlier checkpoint or lengthen the run")
     if hp.force:
+        overrides = forced_overrides(snap, hp, ours, theirs)
+        if overrides:
+            log(f"warning: --force resumes {path} with {overrides}: the losses will not be those "
+                f"of the checkpoint's run")
         return
     if snap["script_sha256"] != script_sha256(hp):
         raise ConfigError(f"{path} was written by a different train_gpt.py; pass --force to resume "
@@ -3751,8 +3820,27 @@ def check_resumable(path, snap, hp, total_steps):
                           f"continue with the new ones")
 
 
-def shard_difference(loader_state, files, fingerprints):
-    """A line naming the first of `files` whose fingerprint is not the checkpoint's, or None."""
+def shard_record(files):
+    """What a checkpoint records of the validation shards (the loader's state does of the training
+    ones): their paths and fingerprints."""
+    return dict(files=list(files), fingerprints=[shard_fingerprint(f) for f in files])
+
+
+def shard_names_difference(path, recorded, files, kind):
+    """A line naming the shards missing from `files` or new in them, by file name, against those
+    the checkpoint `path` recorded; None if the names are the same."""
+    theirs, ours = [Path(f).name for f in recorded], [Path(f).name for f in files]
+    changes = ([f"{name} is missing" for name in theirs if name not in ours]
+               + [f"{name} is new" for name in ours if name not in theirs])
+    if not changes:
+        return None
+    more = f" and {len(changes) - 4} more" if len(changes) > 4 else ""
+    return f"the {kind} shards differ from the checkpoint {path}'s: {', '.join(changes[:4])}{more}"
+
+
+def shard_difference(loader_state, files, fingerprints, kind="training"):
+    """A line naming the first of `files` whose fingerprint is not the one the checkpoint recorded
+    (the loader's state, or shard_record) under its name, or None."""
     recorded = dict(zip((Path(f).name for f in loader_state.get("files") or []),
                         loader_state.get("fingerprints") or []))
     for path, (size, digest) in zip(files, fingerprints):
@@ -3762,18 +3850,42 @@ def shard_difference(loader_state, files, fingerprints):
         why = (f"{size:,} bytes where that run read {theirs[0]:,}" if size != theirs[0] else
                f"the same {size:,} bytes, other contents: sampled sha256 {digest[:12]}, that run's "
                f"{theirs[1][:12]}")
-        return f"{path} is not the training shard the checkpoint's run read under that name ({why})"
+        return f"{path} is not the {kind} shard the checkpoint's run read under that name ({why})"
     return None
 
 
 def check_same_shards(path, loader_state, loader, force, log):
-    """Unless --force, refuse shards other than the checkpoint's run read by those names."""
+    """Unless --force, refuse shards other than the checkpoint's run read by those names; other
+    names even with --force (the checkpoint's place in the data is a place in its own shards)."""
+    renamed = shard_names_difference(path, loader_state.get("files") or [], loader.files,
+                                     "training")
+    if renamed:
+        raise DataError(f"{renamed}; pass the --train_files it was trained on (--force cannot "
+                        f"continue on other shards: the checkpoint's place in the data is a place "
+                        f"in its own)")
     difference = shard_difference(loader_state, loader.files, loader.fingerprints)
     if difference and not force:
         raise DataError(f"{difference}; {path} continues only on the shards it was trained on: put "
                         f"that shard back, or pass --force to continue on this one")
     if difference:
         log(f"warning: {difference}; --force continues on it")
+
+
+def check_same_validation(path, recorded, files, force, log):
+    """Unless --force (then warn), refuse validation shards other than the checkpoint's run's
+    (`recorded`: shard_record; None from an older script): the losses would not compare."""
+    if recorded is None:
+        return
+    difference = (shard_names_difference(path, recorded["files"], files, "validation")
+                  or shard_difference(recorded, files, [shard_fingerprint(f) for f in files],
+                                      "validation"))
+    if difference and not force:
+        raise DataError(f"{difference}; {path}'s run logged its validation losses on those shards "
+                        f"and these would not compare: put them back, or pass --force to validate "
+                        f"on these")
+    if difference:
+        log(f"warning: {difference}; --force validates on them: the losses from here on do not "
+            f"compare with those logged before")
 
 
 def check_log_continues(path, hp, total_steps, checkpoint_folder):
@@ -4000,6 +4112,12 @@ def setup_distributed(hp):
     return rank, world_size, device
 
 
+def data_script(pattern):
+    """The command that builds the shards a glob names: the novels corpus (track_cpu) or FineWeb."""
+    return ("python data/novels.py --out data/novels" if "novels" in str(pattern)
+            else "python data/cached_fineweb10B.py")
+
+
 def resolve_data(hp, rank):
     """(train glob, val glob, description) under $DATA_PATH, or --synthetic_fallback's corpus."""
     data_path = os.environ.get("DATA_PATH")
@@ -4023,8 +4141,8 @@ def resolve_data(hp, rank):
         if not glob.glob(pattern):
             fallback = (" (--synthetic_fallback replaces the data only when neither glob matches)"
                         if hp.synthetic_fallback and untouched else "")
-            raise DataError(f"{flag} {pattern!r} matches no file{fallback}; download shards with "
-                            f"`python data/cached_fineweb10B.py` or pass a glob that matches")
+            raise DataError(f"{flag} {pattern!r} matches no file{fallback}; build the shards "
+                            f"with `{data_script(pattern)}` or pass a glob that matches")
     return train, val, f"train {train}, val {val}"
 
 
@@ -4260,7 +4378,7 @@ def portable_argv(argv):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    trainer = None
+    hp = trainer = None
     with StopSignals() as stop, contextlib.ExitStack() as lifetime:
         try:
             hp = parse_args(argv)
@@ -4278,11 +4396,21 @@ def main(argv=None):
             fail(trainer, f"{e.filename}: {e.strerror or e}" if e.filename
                  else str(e.strerror or e))
         except KeyboardInterrupt:
-            fail(trainer, "interrupted; continue from the last checkpoint with --resume auto and "
-                          "its --run_id", 130)
+            fail(trainer, interrupted_message(hp, trainer), 130)
         finally:
             if dist_ready():
                 dist.destroy_process_group()
+
+
+def interrupted_message(hp, trainer):
+    """Ctrl-C's line: where to continue from, or that no checkpoint of the run exists."""
+    folder = trainer.checkpoint_folder if trainer is not None else None
+    if folder is None and hp is not None and hp.run_id:  # (stopped in the Trainer's setup)
+        folder = Path(hp.log_dir) / "checkpoints" / hp.run_id
+    if folder is not None and any(folder.glob("*.pt")):
+        return "interrupted; continue from the last checkpoint with --resume auto and its --run_id"
+    return ("interrupted with no checkpoint of this run written: nothing to continue from; start "
+            "it again (under --resume auto its --run_id starts over in its log)")
 
 
 def fail(trainer, message, code=2):
@@ -4374,9 +4502,21 @@ def receptive_field(plan, window_pairs, window_block_tokens):
 
 
 def validation_piece_length(tokens, max_piece_tokens, context):
-    """Positions of each forward of a validation window of `tokens`: all uncut, else its pieces'."""
+    """Positions of each forward of a validation window of `tokens`: all uncut, else its pieces'
+    (pieces as long as the uncut forward, the context reaching across it, run it uncut)."""
     return (tokens if tokens <= max_piece_tokens
             else max_piece_tokens + min(context, tokens - max_piece_tokens))
+
+
+def describe_validation_pieces(tokens, max_piece_tokens, context):
+    """The log's line on validation forwards of `tokens` under a cap below them."""
+    length = validation_piece_length(tokens, max_piece_tokens, context)
+    if length >= tokens:
+        return (f"validation: forwards of {tokens:,} tokens uncut: pieces of {max_piece_tokens} "
+                f"tokens after {context:,} of context (the receptive field) would be as long, "
+                f"saving no memory")
+    return (f"validation: forwards of {tokens:,} tokens in pieces of {length:,} positions (at "
+            f"most {max_piece_tokens} tokens, after {context:,} of context: the receptive field)")
 
 
 def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accum, device,
@@ -4386,10 +4526,10 @@ def validation_pieces(tokens, val_tokens, val_batch_size, rank, world_size, accu
                                            accum):
         n = len(buf) - 1
         ids = bigram_hash(buf[:-1], bigram_rows) if bigram_rows else None
-        if n <= max_piece_tokens:
+        length = validation_piece_length(n, max_piece_tokens, context)
+        if length >= n:  # (pieces as long as the whole would save no memory)
             yield [model_inputs(buf, lengths, device, ids)]
             continue
-        length = validation_piece_length(n, max_piece_tokens, context)
         yield [context_piece(buf, lengths, max(0, start - context), start,
                              min(start + max_piece_tokens, n), 0, length, device, ids)
                for start in range(0, n, max_piece_tokens)]

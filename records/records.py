@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import glob
 import hashlib
 import io
 import json
@@ -71,7 +72,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SEPARATOR = "=" * 100
-DEFAULT_TARGET = 3.28
+DEFAULT_TARGET = 3.28  # track_1_short's (records/README.md), also for logs outside a track folder
+# the target val loss of each track's rules; None: no fixed one (lower wins, or a record's mean)
+TRACK_TARGETS = {"track_1_short": DEFAULT_TARGET, "track_cpu": None, "track_3_cpu": None,
+                 "track_3": None}
 DEFAULT_ALPHA = 0.01
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -463,8 +467,23 @@ def _fmt(x: float, spec: str) -> str:
     return "n/a" if x is None or not math.isfinite(x) else format(x, spec)
 
 
-def summarize(runs: list[Run], target: float = DEFAULT_TARGET) -> dict:
-    """Mean/std (ddof=1) of final losses and train times, one-sided t-test p-value."""
+def track_of(path) -> str | None:
+    """The track folder (records/README.md's) a log or record lies in, if any."""
+    parts = reversed(Path(path).resolve().parts)
+    return next((part for part in parts if part in TRACK_TARGETS), None)
+
+
+def default_target(paths) -> tuple[float | None, str | None]:
+    """(target, the track that sets none): the target of the tracks' rules for logs given no
+    --target; None where one of them lies in a track whose rules set no fixed target."""
+    tracks = {track_of(p) for p in paths}
+    untargeted = sorted(t for t in tracks if t is not None and TRACK_TARGETS[t] is None)
+    return (None, untargeted[0]) if untargeted else (DEFAULT_TARGET, None)
+
+
+def summarize(runs: list[Run], target: float | None = DEFAULT_TARGET) -> dict:
+    """Mean/std (ddof=1) of final losses and train times, one-sided t-test p-value (none without a
+    target)."""
     import numpy as np
 
     losses = np.array([r.final_loss for r in runs], dtype=np.float64)
@@ -481,7 +500,7 @@ def summarize(runs: list[Run], target: float = DEFAULT_TARGET) -> dict:
         "target": target,
         "p": float("nan"),
     }
-    if n > 1:
+    if n > 1 and target is not None:
         from scipy import stats
 
         with warnings.catch_warnings():
@@ -510,15 +529,20 @@ def compare(runs: list[Run], baseline: list[Run]) -> dict:
     return out
 
 
-def stats_report(paths, target: float = DEFAULT_TARGET, alpha: float = DEFAULT_ALPHA,
+def stats_report(paths, target: float | None = None, alpha: float = DEFAULT_ALPHA,
                  against=None) -> str:
     """The stats table and summary; with `against` (baseline logs or folders) the verdict is
-    the Welch test against those runs instead of the one-sample test against the target."""
+    the Welch test against those runs instead of the one-sample test against the target (by
+    default the target of the logs' track: none for a track whose rules set none)."""
+    untargeted = None
+    if target is None:
+        target, untargeted = default_target(paths)
     runs = [parse_log(p) for p in expand(paths)]
     s = summarize(runs, target)
     names = [str(r.path) for r in runs]
     steps = [f"{r.final_step}/{r.num_steps}" for r in runs]
-    reached = [str(r.first_step_at_or_below(target) or "-") for r in runs]
+    reached = [str(r.first_step_at_or_below(target) or "-") if target is not None else "-"
+               for r in runs]
     w_name = max(len("log"), *(len(x) for x in names))
     w_step = max(len("step"), *(len(x) for x in steps))
     head = (f"{'log':<{w_name}}  {'step':>{w_step}}  {'val_loss':>8}  {'train_time':>12}  "
@@ -532,7 +556,9 @@ def stats_report(paths, target: float = DEFAULT_TARGET, alpha: float = DEFAULT_A
         )
     lines.append(
         f"n={s['n']} mean_loss={s['mean_loss']:.4f} std_loss={_fmt(s['std_loss'], '.4f')} "
-        f"p={_fmt_p(s['p'])} (target {target:g}, one-sided t-test) "
+        f"p={_fmt_p(s['p'])} " +
+        (f"(target {target:g}, one-sided t-test) " if target is not None else
+         f"(no target: {untargeted}'s rules set none; pass --target LOSS) ") +
         f"mean_time={s['mean_time_s']:.3f}s std_time={_fmt(s['std_time_s'], '.3f')}{'s' if s['n'] > 1 else ''}"
     )
     if against:
@@ -542,6 +568,10 @@ def stats_report(paths, target: float = DEFAULT_TARGET, alpha: float = DEFAULT_A
             f"p={_fmt_p(c['p'])} (one-sided Welch t-test)"
         )
         s, what = c, "below the baseline's mean"
+    elif target is None:
+        lines.append(f"verdict: none ({untargeted}'s rules set no target loss: lower wins; pass "
+                     "--target LOSS to test the mean against one)")
+        return "\n".join(lines) + "\n"
     else:
         what = f"below {target:g}"
     if s["n"] < 2 or len(runs) < 2:
@@ -641,6 +671,37 @@ def replay_command(log, extra_args=(), nproc: int | None = None, use_recorded_ar
     return [*launcher, "--standalone", f"--nproc_per_node={k}", script_name, *args]
 
 
+def data_script(pattern: str) -> str:
+    """The command that builds the shards a glob names (as train_gpt.py's hint)."""
+    if "novels" in pattern:
+        return "python data/novels.py --out data/novels"
+    return "python data/cached_fineweb10B.py"
+
+
+def last_flag_value(args, flag: str) -> str | None:
+    """The value of the last `flag VALUE` or `flag=VALUE` in args (the trainer keeps the last)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def check_data(cmd, workdir: Path) -> None:
+    """Refuse, before anything runs, a command whose --train_files or --val_files glob matches
+    nothing in the working folder (under $DATA_PATH when set, as the trainer reads it), naming the
+    script that builds them: the replayed script's own hint may predate the data it names."""
+    root = workdir / os.environ.get("DATA_PATH", "")
+    for flag in ("--train_files", "--val_files"):
+        pattern = last_flag_value(cmd, flag)
+        if pattern is not None and not glob.glob(str(root / pattern)):
+            raise RecordError(f"the replayed run's {flag} {pattern!r} matches no file in {root}; "
+                              f"build the data with `{data_script(pattern)}` there, or pass one "
+                              f"that matches: -- {flag} GLOB")
+
+
 def replay(log, extra_args=(), nproc: int | None = None, workdir=None,
            use_recorded_args: bool = True, gpus=count_gpus, force: bool = False) -> int:
     """Verify the log's code, write its files to `<workdir>/.replay_<stem>/` (the script as
@@ -665,6 +726,7 @@ def replay(log, extra_args=(), nproc: int | None = None, workdir=None,
     tmp = workdir / f".replay_{log.stem}"
     cmd = replay_command(log, extra_args, nproc=nproc, use_recorded_args=use_recorded_args,
                          script_name=f"{tmp.name}/{SCRIPT_NAME}", gpus=gpus, parts=parts)
+    check_data(cmd, workdir)
     try:
         tmp.mkdir(exist_ok=True)
         for name, data in split_files(parts.script).items():
@@ -762,8 +824,10 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("paths", nargs="+", metavar="PATH", help="log files or folders of logs")
     q.add_argument("--against", nargs="+", default=None, metavar="BASELINE",
                    help="baseline logs or folders: test the mean loss against theirs")
-    q.add_argument("--target", type=float, default=DEFAULT_TARGET,
-                   help=f"target val loss (default {DEFAULT_TARGET})")
+    q.add_argument("--target", type=float, default=None,
+                   help=f"target val loss (default: the track's, {DEFAULT_TARGET} for "
+                        "track_1_short and logs outside a track folder; none for track_cpu, "
+                        "track_3_cpu and track_3)")
     q.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
                    help=f"significance level for the verdict line (default {DEFAULT_ALPHA})")
 
@@ -773,8 +837,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("paths", nargs="+", metavar="PATH", help="log files or folders of logs")
     q.add_argument("-o", "--output", required=True, metavar="FILE.png",
                    help="image to write (its format from the name's ending, png if none)")
-    q.add_argument("--target", type=float, default=DEFAULT_TARGET,
-                   help=f"draw a dashed line at this loss (default {DEFAULT_TARGET})")
+    q.add_argument("--target", type=float, default=None,
+                   help="draw a dashed line at this loss (default: the track's target, as stats; "
+                        "none: no line)")
     q.add_argument("--ylim", type=float, nargs=2, default=None, metavar=("LO", "HI"),
                    help="val loss axis limits")
     q.add_argument("--labels", nargs="+", default=None, metavar="LABEL",
@@ -842,7 +907,7 @@ def _run(args, extra) -> int:
         if not out:
             print("scripts are identical", file=sys.stderr)
         return 0
-    if args.cmd in ("stats", "plot") and not math.isfinite(args.target):
+    if args.cmd in ("stats", "plot") and args.target is not None and not math.isfinite(args.target):
         raise UsageError(f"--target must be a finite val loss, got {args.target:g}")
     if args.cmd == "stats" and not 0 < args.alpha < 1:
         raise UsageError(f"--alpha must be a significance level in (0, 1), got {args.alpha:g}")
@@ -856,7 +921,8 @@ def _run(args, extra) -> int:
             raise RecordError("plot needs matplotlib: pip install matplotlib") from None
         if args.ylim is not None and not all(math.isfinite(v) for v in args.ylim):
             raise UsageError(f"--ylim needs two finite numbers, got {args.ylim[0]:g} {args.ylim[1]:g}")
-        fig = plot_runs(args.paths, target=args.target, ylim=args.ylim, labels=args.labels)
+        target = default_target(args.paths)[0] if args.target is None else args.target
+        fig = plot_runs(args.paths, target=target, ylim=args.ylim, labels=args.labels)
         fmt = Path(args.output).suffix[1:].lower() or "png"  # e.g. /dev/full: png
         supported = fig.canvas.get_supported_filetypes()
         if fmt not in supported:

@@ -5,6 +5,7 @@ the first training step."""
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import ngram_prior
 import plan_memory as pm
 import synthetic
 import train_gpt as tg
@@ -178,6 +180,8 @@ def test_a_bad_environment_variable_is_one_line_like_a_flag(corpus, tmp_path, ca
 
 @pytest.mark.parametrize("extra,needle", [(["--gpu_memory_gb", "0"], "--gpu_memory_gb must be positive, got 0.0"),
                                           (["--gpu_memory_gb", "nan"], "--gpu_memory_gb must be positive, got nan"),
+                                          (["--gpu_memory_gb", "inf"],
+                                           "--gpu_memory_gb must be finite, got inf"),
                                           (["--num_layers", "4"], "--num_layers 4")])
 def test_plan_memory_refuses_bad_flags_in_one_line(corpus, tmp_path, capsys, extra, needle):
     code, err = run_plan([*tiny(corpus, tmp_path), *extra], capsys)
@@ -349,6 +353,41 @@ def test_training_shards_that_run_out_are_refused_before_the_first_step(corpus, 
         loader.close()
 
 
+@pytest.mark.parametrize("pattern,script", [
+    ("data/novels/novels_train_*.bin", "python data/novels.py --out data/novels"),
+    ("data/fineweb10B/fineweb_val_*.bin", "python data/cached_fineweb10B.py")])
+def test_a_glob_that_matches_nothing_names_the_script_that_builds_its_data(tmp_path, monkeypatch,
+                                                                           pattern, script):
+    """A novels glob that matched nothing was told to download FineWeb (`cached_fineweb10B.py`)."""
+    monkeypatch.setenv("DATA_PATH", str(tmp_path))
+    flag = "--train_files" if "train" in pattern else "--val_files"
+    hint = f"matches no file; build the shards with `{script}`"
+    with pytest.raises(tg.DataError, match=re.escape(hint)):
+        tg.resolve_data(tg.parse_args([flag, pattern]), 0)
+
+
+def one_document(tokens):
+    tokens[tokens == BOS] = 7
+    tokens[0] = BOS
+    return tokens
+
+
+def test_cycled_shards_too_small_for_a_micro_step_are_refused_before_the_log(corpus, tmp_path,
+                                                                            capsys):
+    """With --cycle_data true and a shard of one long document every check passed: the log was
+    written, step 0 validated, and then came `the training shards ... are too small` (exit 2), the
+    run id taken. A micro-step comes from one shard, of whole documents of at most the stage's
+    sequence length (the rest skipped): one document gives 448 of the 513 tokens the first stage's
+    micro-step takes."""
+    pattern, path = corrupt_copy(corpus, tmp_path, "train", one_document)
+    log_dir = tmp_path / "logs"
+    argv = tiny(corpus, log_dir, "--cycle_data", "true", train=pattern)
+    result, code, err = run_main(argv, capsys)
+    one_line_error(code, err, f"no training shard of {pattern} holds one micro-step of 512 tokens",
+                   "documents of at most 448 tokens", "even with --cycle_data")
+    no_training_happened(log_dir)
+
+
 def test_half_of_the_default_data_is_never_swapped_for_the_synthetic_corpus(tmp_path, capsys, monkeypatch):
     """The cpu preset (--synthetic_fallback) with FineWeb training shards and no validation shard used the
     synthetic corpus for both, saying only that no shards match."""
@@ -493,6 +532,80 @@ def test_non_finite_validation_loss_fails_the_run(corpus, tmp_path, capsys, monk
     one_line_error(code, err, "validation loss is nan")
 
 
+# ------------------------------------------------------------------------------ the n-gram prior
+
+
+def test_a_prior_that_cannot_fit_in_memory_is_refused_before_the_log(corpus, tmp_path, capsys,
+                                                                     monkeypatch):
+    """Counting the prior past the memory gave a numpy _ArrayMemoryError traceback (exit 1), and the
+    log ended at its `data:` line. The counting's least peak, from the token count and the order, is
+    checked at setup."""
+    floor = ngram_prior.ngram_count_bytes_floor(5, 60_000)
+    assert floor >= 60_000 * 4 * 35  # (measured at order 5: 146-224 bytes a token while counting)
+    monkeypatch.setattr(tg, "available_memory_bytes", lambda: floor - 1)
+    log_dir = tmp_path / "logs"
+    result, code, err = run_main(tiny(corpus, log_dir), capsys)
+    one_line_error(code, err, "counting the --ngram_prior of 60,000 training tokens at "
+                   "--ngram_prior_order 5 needs at least",
+                   "lower --ngram_prior_order, or pass --ngram_prior 0")
+    no_training_happened(log_dir)
+    hp = tg.parse_args(["--preset", "cpu"])
+    assert ngram_prior.check_counting_fits(hp, 60_000, floor) is None  # (just fits)
+    assert ngram_prior.check_counting_fits(hp, 60_000, None) is None  # (unknown: not refused)
+
+
+def test_out_of_memory_while_counting_the_prior_is_one_line_before_the_log(corpus, tmp_path,
+                                                                            capsys, monkeypatch):
+    """A MemoryError while counting was a traceback. The prior is counted at setup, before the
+    log is written: one line, and the run id stays free."""
+    def out_of_memory(*args):
+        raise MemoryError("Unable to allocate 3.66 MiB for an array with shape (60000, 8) and data "
+                          "type int64")
+
+    monkeypatch.setattr(ngram_prior, "count_ngrams", out_of_memory)
+    result, code, err = run_main(tiny(corpus, tmp_path, "--run_id", "oom"), capsys)
+    one_line_error(code, err, "ran out of memory counting the --ngram_prior of 60,000 training "
+                   "tokens", "lower --ngram_prior_order, or pass --ngram_prior 0")
+    no_training_happened(tmp_path)
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "Ctrl-C"])
+def test_a_stop_while_the_prior_is_counted_ends_before_the_first_step(corpus, tmp_path, capsys,
+                                                                      monkeypatch, stop):
+    """SIGTERM during the counting was only noted: the run counted on, validated step 0, trained two
+    steps, checkpointed and exited 75. It is before the first step: nothing to save, exit 75 and one
+    line. Ctrl-C there said to continue from the last checkpoint, with none written."""
+    real = ngram_prior.count_ngram_prior
+
+    def interrupted(*args):
+        if stop == "Ctrl-C":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(ngram_prior, "count_ngram_prior", interrupted)
+    argv = tiny(corpus, tmp_path, "--run_id", "stop", "--save_every", "2")
+    result, code, err = run_main(argv, capsys)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and code == (tg.PREEMPTED_EXIT_CODE if stop == "SIGTERM" else 130), err
+    if stop == "SIGTERM":
+        assert lines[0] == ("train_gpt.py: stopped by SIGTERM before the first training step; "
+                            "nothing new to save"), lines
+    else:
+        assert "last checkpoint" not in lines[0] and "no checkpoint" in lines[0], lines
+    no_training_happened(tmp_path)  # (the prior is counted at setup: before the log)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_ctrl_c_says_to_continue_only_where_a_checkpoint_of_the_run_exists(tmp_path):
+    hp = tg.parse_args(["--preset", "cpu", "--log_dir", str(tmp_path), "--run_id", "r"])
+    assert "no checkpoint" in tg.interrupted_message(hp, None)
+    assert "no checkpoint" in tg.interrupted_message(None, None)
+    (tmp_path / "checkpoints" / "r").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "r" / "step_000002.pt").write_bytes(b"")
+    assert "continue from the last checkpoint" in tg.interrupted_message(hp, None)
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
@@ -518,11 +631,42 @@ def test_resume_refuses_what_it_cannot_continue(corpus, tmp_path, capsys, checkp
     one_line_error(code, err, str(checkpoint), *needles)
 
 
+def test_force_names_every_setting_and_the_script_it_overrides():
+    """--force resumed a checkpoint of other settings, or of an edited script, without a word
+    (check_resumable returned before it looked): the loss then differed from the checkpoint's run's
+    with no warning. Now one warning line names each setting, old -> new, and the script change;
+    without --force the same is refused."""
+    old = tg.parse_args(["--preset", "cpu", "--ngram_prior_order", "3"])
+    snap = dict(hyperparameters=tg.dataclasses.asdict(old), step=2, script_sha256="0" * 64)
+    argv = ["--preset", "cpu", "--ngram_prior_order", "4", "--adam_lr", "0.01", "--seed", "5"]
+    lines, script = [], tg.script_sha256(tg.parse_args(argv))
+    tg.check_resumable("ck.pt", snap, tg.parse_args([*argv, "--force"]), 100, lines.append)
+    [line] = lines
+    # (--seed may differ on resume: not named)
+    assert line == (f"warning: --force resumes ck.pt with --ngram_prior_order 3 -> 4, --adam_lr "
+                    f"{old.adam_lr} -> 0.01 and another train_gpt.py (sha256 000000000000 -> "
+                    f"{script[:12]}): the losses will not be those of the checkpoint's "
+                    f"run"), line
+    with pytest.raises(tg.ConfigError, match="written by a different train_gpt.py; pass --force"):
+        tg.check_resumable("ck.pt", snap, tg.parse_args(argv), 100, lines.append)
+    snap["script_sha256"] = script
+    refused = (r"with --ngram_prior_order 3, --adam_lr .* but this run has --ngram_prior_order 4, "
+               r"--adam_lr 0.01; pass the same settings, or --force")
+    with pytest.raises(tg.ConfigError, match=refused):
+        tg.check_resumable("ck.pt", snap, tg.parse_args(argv), 100, lines.append)
+    snap["hyperparameters"] = tg.dataclasses.asdict(tg.parse_args(argv))
+    tg.check_resumable("ck.pt", snap, tg.parse_args([*argv, "--force"]), 100, lines.append)
+    assert len(lines) == 1  # nothing overridden: no warning
+
+
 @pytest.mark.slow
 def test_resume_with_changed_schedule_and_force(corpus, tmp_path, capsys, checkpoint):
-    result, code, err = run_main([*tiny(corpus, tmp_path), "--resume", checkpoint, "--muon_lr", "0.05",
-                                  "--force", "true"], capsys)
+    argv = [*tiny(corpus, tmp_path, "--run_id", "forced"), "--resume", checkpoint, "--muon_lr",
+            "0.05", "--force", "true"]
+    result, code, err = run_main(argv, capsys)
     assert code == 0 and [s for s, _ in result] == [4], err
+    warning = f"warning: --force resumes {checkpoint} with --muon_lr 0.00575 -> 0.05: the losses"
+    assert warning in (tmp_path / "forced.txt").read_text()
 
 
 @pytest.mark.slow

@@ -91,16 +91,30 @@ def test_largest_fitting_cap_is_the_boundary():
 def test_plan_memory_prints_and_exits_without_training(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    argv = tiny(tmp_path / "no_data_here") + ["--gpu_memory_gb", "0.05", "--device", "auto"]
+    argv = tiny(tmp_path / "no_data_here") + ["--gpu_memory_gb", "80", "--device", "auto"]
     assert pm.main(argv) is None
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("memory plan (predicted: eager accounting, fake tensors) for rank 0 of 2 process(es), GPU paths")
     for name in ("parameters", "gradients", "optimizer state NorMuon", "optimizer state DistAdam", "activations saved",
                  "head logits saved", "training peak", "validation peak"):
         assert any(line.strip().startswith(name) and line.endswith(" GiB") for line in lines), name
-    assert re.fullmatch(r"largest --micro_batch_tokens that fits --gpu_memory_gb 0\.05 \(0\.0 GiB usable\): .+", lines[-2])
+    assert re.fullmatch(r"largest --micro_batch_tokens that fits --gpu_memory_gb 80 "
+                        r"\(72\.0 GiB usable\): .+", lines[-2])
     assert re.fullmatch(r"predicted peak per process: \d+\.\d\d GiB", lines[-1])
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_plan_where_nothing_fits_exits_with_status_1(tmp_path, capsys, monkeypatch):
+    """"Nothing fits" exited 0, as a plan that fits does: a script could not tell. The plan is still
+    printed."""
+    monkeypatch.chdir(tmp_path)
+    argv = tiny(tmp_path / "no_data_here") + ["--gpu_memory_gb", "0.0001", "--device", "auto"]
+    with pytest.raises(SystemExit) as exit_info:
+        pm.main(argv)
+    assert exit_info.value.code == pm.NOTHING_FITS_EXIT == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].endswith(": " + pm.NOTHING_FITS), lines
+    assert lines[-1].startswith("predicted peak per process: "), lines
 
 
 def test_the_cpu_plan_counts_the_ngram_priors_bytes(tmp_path, monkeypatch):

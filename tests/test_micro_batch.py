@@ -305,6 +305,21 @@ def test_validation_in_pieces_has_the_uncut_loss(monkeypatch):
     assert moved > 10 * bound
 
 
+def test_validation_is_not_cut_into_pieces_as_long_as_the_uncut_forward():
+    """--micro_batch_tokens 129 on 1,024-token validation forwards with a longer receptive field cut
+    each into 8 pieces of 1,024 positions (129 tokens after up to 895 of context): 8 times the work
+    for no memory. Such a forward now runs uncut, and pieces that are shorter still cut it."""
+    window = np.arange(1, 2050) % 1000
+    window[::300] = tg.BOS_ID
+
+    def forwards(cap, context):
+        return [[len(b.inputs) for b in pieces] for pieces in
+                tg.validation_pieces(window, 2048, 1024, 0, 1, 1, CPU, cap, context)]
+    assert forwards(129, 2000) == [[1024], [1024]]  # (the context reaches across the whole forward)
+    assert tg.validation_piece_length(1024, 129, 2000) == 1024
+    assert forwards(129, 200) == [[329] * 8, [329] * 8]  # 129 tokens after 200 of context: shorter
+
+
 @pytest.mark.slow
 def test_warm_up_runs_every_piece_length(corpus, tmp_path, restore_threads):  # noqa: F811
     """The warm-up's steps give the forward every piece length the run will use (one compiled graph each)."""

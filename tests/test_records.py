@@ -95,8 +95,8 @@ def one_error_line(err, *fragments):
     return lines[0]
 
 
-def record_folder(tmp_path, losses=LOSSES, name="2025-11-29_Test"):
-    d = tmp_path / "track_1_short" / name
+def record_folder(tmp_path, losses=LOSSES, name="2025-11-29_Test", track="track_1_short"):
+    d = tmp_path / track / name
     for i, loss in enumerate(losses):
         make_log(d / f"run{i}.txt", final_loss=loss, step_ms=61.0 + 0.1 * i)
     (d / "README.md").write_text("# test record\n")
@@ -313,6 +313,25 @@ def test_stats_files_and_target(tmp_path, capsys):
     assert rec.main(["stats", *files, "--target", "3.279"]) == 0
     out = capsys.readouterr().out
     assert "n=5 " in out and "(target 3.279," in out and "FAIL" in out
+
+
+def test_stats_takes_the_target_from_the_tracks_rules(tmp_path, capsys):
+    """A track_cpu record without --target got `verdict: FAIL (mean loss below 3.28 ...)`:
+    track_1_short's target applied to a CPU record. track_cpu (lower wins) and track_3_cpu (the
+    NorMuon record's mean, passed as --target) set no fixed target: no verdict unless --target is
+    given; track_1_short keeps 3.28."""
+    cpu = record_folder(tmp_path, losses=[4.96, 4.97, 4.955], track="track_cpu")
+    assert rec.main(["stats", str(cpu)]) == 0
+    out = capsys.readouterr().out
+    assert "3.28" not in out and "FAIL" not in out and "PASS" not in out, out
+    assert "p=n/a (no target: track_cpu's rules set none; pass --target LOSS)" in out, out
+    assert out.splitlines()[-1] == ("verdict: none (track_cpu's rules set no target loss: lower "
+                                    "wins; pass --target LOSS to test the mean against one)"), out
+    assert rec.main(["stats", str(cpu), "--target", "5.0"]) == 0
+    out = capsys.readouterr().out
+    assert "(target 5," in out and out.splitlines()[-1].startswith("verdict: PASS"), out
+    assert rec.main(["stats", str(record_folder(tmp_path))]) == 0  # track_1_short: 3.28
+    assert "(target 3.28, one-sided t-test)" in capsys.readouterr().out
 
 
 def test_stats_names_file_without_final_val(tmp_path, capsys):
@@ -730,6 +749,26 @@ def test_replay_runs_script_with_recorded_and_extra_args(tmp_path, capfd):
 
     assert rec.main(["replay", "--no-args", "--nproc", "0", "--dir", str(tmp_path), str(log), "--", "-y"]) == 3
     assert (tmp_path / "replayed.txt").read_text() == "-y"
+
+
+@pytest.mark.parametrize("glob,script", [
+    ("data/novels/novels_train_*.bin", "python data/novels.py --out data/novels"),
+    ("data/fineweb10B/fineweb_train_*.bin", "python data/cached_fineweb10B.py")])
+def test_replay_names_the_data_script_of_a_missing_glob(tmp_path, capsys, monkeypatch, glob,
+                                                        script):
+    """A track_cpu log replayed without its data printed the recorded script's hint,
+    `cached_fineweb10B.py`, for a novels glob. replay checks the data globs of the command first:
+    one line naming the script that builds them; nothing runs."""
+    monkeypatch.delenv("DATA_PATH", raising=False)
+    marker = tmp_path / "ran.txt"
+    script_text = f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+    log = make_log(tmp_path / "logs" / "cpu.txt", script=script_text,
+                   args=["--preset", "cpu", "--train_files", glob,
+                         "--val_files", glob.replace("train", "val")])
+    assert rec.main(["replay", "--nproc", "0", "--dir", str(tmp_path), str(log)]) == 2
+    one_error_line(capsys.readouterr().err, f"--train_files {glob!r} matches no file in {tmp_path}",
+                   f"build the data with `{script}`", "-- --train_files GLOB")
+    assert not marker.exists() and not list(tmp_path.glob(".replay_*"))
 
 
 FAKE_TRAINER = """import hashlib, json, sys, uuid

@@ -356,6 +356,59 @@ def test_resume_refuses_a_replaced_training_shard_unless_forced(corpus, tmp_path
     assert f"warning: {shard} is not the training shard" in (tmp_path / "swap.txt").read_text()
 
 
+@pytest.mark.slow
+def test_resume_refuses_a_changed_validation_shard_unless_forced(corpus, tmp_path, capsys,
+                                                                 monkeypatch):
+    """Validation shards were not fingerprinted: a few hundred tokens changed in the run's
+    validation shard, and the same log read 1.3232 before the resume and 1.3515 after it, against
+    1.3245 uninterrupted, silently."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shard = data / "synthetic_val_000000.bin"
+    tokens = tg.read_shard(next(corpus.glob("synthetic_val_*.bin"))).copy()
+    tg.write_shard(shard, tokens)
+    argv = [*short(corpus, "--log_dir", tmp_path, "--run_id", "val", "--save_every", 2, "--resume",
+                   "auto"), "--val_files", str(data / "synthetic_val_*.bin")]
+    interrupted_run(argv, capsys, monkeypatch, 3)
+    tokens[100:400] = tokens[100:400][::-1]
+    tg.write_shard(shard, tokens)
+    _, code, err = run_main(argv, capsys)
+    one_line_error(code, err, f"{shard} is not the validation shard the checkpoint's run read",
+                   "other contents", "put them back, or pass --force to validate on these")
+    result, code, err = run_main([*argv, "--force"], capsys)
+    assert code == 0 and result[-1][0] == 8, err
+    assert f"warning: {shard} is not the validation shard" in (tmp_path / "val.txt").read_text()
+
+
+def test_shards_that_differ_from_the_checkpoints_are_named(tmp_path):
+    """A renamed, added or removed training shard was refused with no shard named (and a clause
+    about the script); validation shards are compared the same way, refused or (--force) warned."""
+    shards = [tmp_path / f"{kind}_{i:06d}.bin" for kind in ("train", "val") for i in range(3)]
+    for i, path in enumerate(shards):
+        tg.write_shard(path, [tg.BOS_ID, i + 1, 2, 3])
+    train, val = [str(p) for p in shards[:3]], [str(p) for p in shards[3:]]
+    fingerprints = [tg.shard_fingerprint(f) for f in train[1:]] + [(1, "x")]
+    loader = type("Loader", (), dict(files=train[1:] + [str(tmp_path / "train_000009.bin")],
+                                     fingerprints=fingerprints))
+    refused = (r"^the training shards differ from the checkpoint ck.pt's: train_000000.bin is "
+               r"missing, train_000009.bin is new; pass the --train_files it was trained on "
+               r"\(--force cannot continue")
+    with pytest.raises(tg.DataError, match=refused):
+        tg.check_same_shards("ck.pt", tg.shard_record(train), loader, True, print)
+    warnings = []
+    record = tg.shard_record(val)
+    tg.check_same_validation("ck.pt", record, val, False, warnings.append)  # the same: nothing said
+    tg.check_same_validation("ck.pt", None, val[:1], False, warnings.append)  # (an older script's)
+    assert warnings == []
+    refused = (r"^the validation shards differ from the checkpoint ck.pt's: val_000002.bin is "
+               r"missing; .* put them back, or pass --force")
+    with pytest.raises(tg.DataError, match=refused):
+        tg.check_same_validation("ck.pt", record, val[:2], False, warnings.append)
+    tg.check_same_validation("ck.pt", record, val[:2], True, warnings.append)
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("warning: the validation shards differ"), warnings
+
+
 def test_restarts_without_their_settings_are_warned_on_the_terminal_and_in_the_log(corpus, tmp_path, capsys,
                                                                                      monkeypatch):
     """Under torchrun --max-restarts with the agent's store shared (pytorch#135712), without --resume auto

@@ -42,9 +42,9 @@ def pattern_corpus(folder, tokens, seed):
     return np.concatenate(docs)[:tokens]
 
 
-def tiny_checkpoint(path, loader=None, edit=None, **changes):
+def tiny_checkpoint(path, loader=None, edit=None, validation=None, **changes):
     """A checkpoint of an untrained model of width 16 (small and fast), optionally with a loader state, the model
-    changed by edit(model) and other recorded hyperparameters."""
+    changed by edit(model), the validation shards' record and other recorded hyperparameters."""
     hp = tg.parse_args(list(map(str, tiny(path.parent, "--model_dim", 16, "--head_dim", 8, "--bigram_dim", 8))))
     model = tg.build_model(hp, torch.device("cpu"))
     if edit is not None:
@@ -53,6 +53,8 @@ def tiny_checkpoint(path, loader=None, edit=None, **changes):
     payload = dict(step=0, training_time_ms=0.0, tokens_seen=0, model=model.state_dict(), matrix={}, adam={},
                    loader=loader or {}, rng={}, script_sha256="", world_size=1,
                    hyperparameters=dataclasses.asdict(dataclasses.replace(hp, **changes)))
+    if validation is not None:
+        payload["validation"] = validation
     tg.save_checkpoint(path, payload)
     return path
 
@@ -343,6 +345,12 @@ def test_eval_of_too_few_tokens_is_one_line_and_rounding_is_said(untrained, tmp_
                    "512 tokens\n"), err
     code, out, err = run_sample([checkpoint, "--eval", tmp_path / "val_*.bin", "--eval_tokens", 512], capsys)
     assert code == 0 and " over 512 tokens of " in out and err == "", (out, err)
+    # fewer than one forward: the help said whole forwards, and one token was scored without a word
+    argv = [checkpoint, "--eval", tmp_path / "val_*.bin", "--eval_tokens", 1]
+    code, out, err = run_sample(argv, capsys)
+    assert code == 0 and " over 1 tokens of " in out, (out, err)
+    assert err == ("sample.py: note: scoring 1 token(s) in one forward, shorter than the trainer's "
+                   "512 (the log's losses are of whole forwards)\n"), err
 
 
 def prior_checkpoint(folder, train):
@@ -373,6 +381,31 @@ def test_a_replaced_training_shard_is_refused_unless_forced(tmp_path, capsys):
     code, wrong, err = run_sample([*argv, "--force"], capsys)
     assert code == 0 and wrong.split()[0] != right.split()[0], (right, wrong)
     assert err.startswith(f"sample.py: warning: {train} is not the training shard") and "--force counts" in err, err
+
+
+def test_eval_says_when_the_runs_own_validation_shards_changed(tmp_path, capsys):
+    """--eval scores any shards on purpose, but on the run's own validation files (by name) edited
+    since, its number silently differed from the log's. It still scores them, with a warning naming
+    the shard."""
+    val = tmp_path / "data" / "val_000000.bin"
+    val.parent.mkdir()
+    tokens = pattern_corpus(tmp_path, 2_000, seed=0)
+    tg.write_shard(val, tokens)
+    checkpoint = tiny_checkpoint(tmp_path / "val.pt", validation=tg.shard_record([str(val)]))
+    moved = tmp_path / "elsewhere" / "val_000000.bin"
+    tg.write_shard(moved, tokens)
+    for shards in (val.parent / "val_*.bin", moved.parent / "val_*.bin"):  # (also where they moved)
+        code, out, err = run_sample([checkpoint, "--eval", shards, "--eval_tokens", 512], capsys)
+        assert code == 0 and out.startswith("val_loss:") and err == "", err
+    tokens[300:400] = 7
+    tg.write_shard(val, tokens)  # the same size, other contents
+    argv = [checkpoint, "--eval", val.parent / "val_*.bin", "--eval_tokens", 512]
+    code, out, err = run_sample(argv, capsys)
+    assert code == 0 and out.startswith("val_loss:"), err
+    now, then = tg.shard_fingerprint(val)[1][:12], tg.shard_fingerprint(moved)[1][:12]
+    assert err == (f"sample.py: warning: {val} is not the validation shard the checkpoint's run "
+                   f"read under that name (the same 5,024 bytes, other contents: sampled sha256 "
+                   f"{now}, that run's {then}): this loss does not compare with its log's\n"), err
 
 
 @pytest.mark.slow

@@ -362,6 +362,38 @@ def test_a_log_without_the_kernels_section_is_refused(tmp_path):
         rs.split_log("import torch\nprint('a log of another era')\n", "log.txt")
 
 
+def record_log(script, kernels="import torch\n", output="step:0/10 val_loss:10.8\n"):
+    return script + rs.SCRIPT_END + kernels + rs.KERNELS_END + output
+
+
+BAD_LOGS = [
+    ("binary", lambda p: p.write_bytes(bytes(range(256)) * 40),
+     "is not a text log (not UTF-8 at byte 128)"),
+    ("script", lambda p: p.write_text(record_log("import torch\nmodel = GPT(\n")),
+     "its train_gpt.py does not parse (line 2: "),
+    ("kernels", lambda p: p.write_text(record_log("import torch\n", "def kernel(:\n    pass\n")),
+     "its triton_kernels.py does not parse (line 1: "),
+    ("directory", lambda p: p.mkdir(), "is a directory, not a modded-nanogpt record log"),
+    ("era", lambda p: p.write_text("import torch\n"), "no '# triton_kernels.py' section"),
+    ("world size", lambda p: p.write_text(record_log("import torch\n")), "not --world_size 3"),
+]
+
+
+@pytest.mark.parametrize("name,make,says", BAD_LOGS, ids=[b[0] for b in BAD_LOGS])
+def test_a_reference_log_that_cannot_be_traced_is_refused_before_tracing(tmp_path, capsys,
+                                                                          monkeypatch, name, make,
+                                                                          says):
+    """A binary file printed a UnicodeDecodeError traceback, and a syntax error in the log's script
+    a traceback after ~58 s of tracing our own step; a directory was "no such file". The log is read
+    and parsed when the flags are: parse() refuses it, and nothing is traced."""
+    monkeypatch.setattr(sc, "report", lambda *a: pytest.fail("traced our step before the log"))
+    log = tmp_path / "log.txt"
+    make(log)
+    world_size = "3" if name == "world size" else "8"
+    err = one_line_error(capsys, ["--reference", str(log), "--world_size", world_size])
+    assert f"--reference {log}" in err and says in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not REFERENCE_LOG.is_file(), reason="the reference log (../shared/reference/) is absent")
 def test_reference_step_at_reduced_size():

@@ -13,12 +13,15 @@ tokens, comes before training and is not in it). On GPU paths it also names the 
 under which both peaks fit --gpu_memory_gb (the validation runs in pieces of the same cap). The last line is
 always `predicted peak per process: X GiB` (one GPU's, on GPUs); under torchrun only rank 0 prints it,
 outside torchrun the plan is printed whatever $RANK says.
-Bad flags or environment variables are one line `plan_memory.py: error: ...` on stderr and exit status 2.
+Bad flags or environment variables are one line `plan_memory.py: error: ...` on stderr and exit
+status 2; a plan under which nothing fits --gpu_memory_gb (not even the smallest pieces) is printed
+and exits with status 1.
 """
 import contextlib
 import dataclasses
 import functools
 import glob
+import math
 import os
 import sys
 import warnings
@@ -47,6 +50,9 @@ CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up 
 # communication buffers and the allocator's fragmentation, none of which the trace sees.
 PLAN_USABLE_FRACTION = 0.9
 PLAN_PIECE_STEP = ATTN_BLOCK  # --micro_batch_tokens values the plan searches: multiples of the attention tile
+NOTHING_FITS = (f"none (not even {PLAN_PIECE_STEP}: the static memory alone does not fit; use more "
+                "GPUs)")
+NOTHING_FITS_EXIT = 1  # the plan is printed, and a script can tell no cap fits (2 is bad input)
 GiB = 2 ** 30
 
 
@@ -332,7 +338,7 @@ def plan_report(hp, world_size, gpu_memory_gb):
         cap = plan.largest_fitting_cap(budget)
         fit = f"largest --micro_batch_tokens that fits --gpu_memory_gb {gpu_memory_gb:g} ({budget / GiB:.1f} GiB usable): "
         if cap is None:
-            fit += f"none (not even {PLAN_PIECE_STEP}: the static memory alone does not fit; use more GPUs)"
+            fit += NOTHING_FITS
         elif cap == 0:
             fit += "any: the run fits uncut (0)"
         else:
@@ -361,6 +367,9 @@ def parse(argv):
     args = parser.parse_args(argv)
     if not args.gpu_memory_gb > 0:  # (also NaN)
         raise ConfigError(f"--gpu_memory_gb must be positive, got {args.gpu_memory_gb}")
+    if math.isinf(args.gpu_memory_gb):
+        raise ConfigError(f"--gpu_memory_gb must be finite, got {args.gpu_memory_gb}: the GiB of "
+                          f"one GPU")
     return hyperparameters_from(args), args.gpu_memory_gb
 
 
@@ -375,6 +384,8 @@ def main(argv=None):
         sys.exit(2)
     if place.rank == 0 or "TORCHELASTIC_RUN_ID" not in os.environ:  # (a RANK of the user's own changes no plan)
         print("\n".join(lines))
+    if len(lines) > 1 and lines[-2].endswith(NOTHING_FITS):
+        sys.exit(NOTHING_FITS_EXIT)
 
 
 if __name__ == "__main__":

@@ -331,6 +331,35 @@ def split_log(text, source="the log"):
     return text[:start], text[start + len(SCRIPT_END):end]
 
 
+def _parsed(code, name):
+    try:
+        return ast.parse(code, filename=name)
+    except SyntaxError as e:
+        raise LogError(f"its {name} does not parse (line {e.lineno}: {e.msg})") from None
+
+
+def read_log(path):
+    """(train_gpt.py, triton_kernels.py) of the record log at `path`, both checked to parse: a log
+    that cannot be traced is refused in a moment, before any tracing."""
+    if os.path.isdir(path):
+        raise LogError("is a directory, not a modded-nanogpt record log")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise LogError("no such file (a modded-nanogpt record log)") from None
+    except OSError as e:
+        raise LogError(f"cannot be read ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LogError(f"is not a text log (not UTF-8 at byte {e.start})") from None
+    script, kernels = split_log(text, "the log")
+    _parsed(script, "train_gpt.py")
+    _parsed(kernels, "triton_kernels.py")
+    return script, kernels
+
+
 class _Rewrite(ast.NodeTransformer):
     """Drops torch.compile decorators, renames the custom-op namespace, makes `.cuda()` the identity
     (the decorators and `.cuda()` stay with keep_compile and keep_cuda: a real run on a GPU,
@@ -433,9 +462,7 @@ class Reference:
         """micro_steps: one rank's micro-steps per step (default the script's 8 // world_size);
         sizes: the model's GPT(...) keywords and `args` fields to change (smaller models:
         tools/gpu_race.py's dry run)."""
-        with open(log_path, encoding="utf-8") as f:
-            text = f.read()
-        script, kernels = split_log(text, log_path)
+        script, kernels = read_log(log_path)
         if 8 % world_size:
             raise LogError(f"the reference runs on world sizes dividing 8 (its grad_accum_steps = 8 // world_size), "
                            f"not {world_size}")

@@ -14,8 +14,10 @@ Generation stops at the end of a document (<|endoftext|>) or at the model's --ma
 
 --eval GLOB prints the mean loss per token over the first --eval_tokens tokens of the shards (default: the
 checkpoint's --val_tokens; fewer if the shards hold fewer, and rounded down to whole forwards, as stderr then
-says) with the final validation's windows, in forwards of the trainer's size on one process: on the
-checkpoint's own validation shards it is the last val_loss of its log.
+says; fewer than one forward: one shorter forward) with the final validation's windows, in forwards
+of the trainer's size on one process: on the checkpoint's own validation shards it is the last
+val_loss of its log (shards of their names that changed since, by the size and sampled checksum it
+records, are said on stderr).
 
 A model trained with --ngram_prior adds a prior counted from its training shards, which are read again (the
 prior is not in checkpoints): from where the training read them, or --train_files GLOB where they are now
@@ -75,7 +77,8 @@ def build_parser():
     parser.add_argument("--bpe", metavar="PATH", help="r50k_base.tiktoken ranks file for offline use (sha256 checked)")
     parser.add_argument("--eval", metavar="GLOB", help="print the mean loss on these shards instead of sampling")
     parser.add_argument("--eval_tokens", type=int, default=0,
-                        help="tokens to score with --eval, rounded down to whole forwards of the trainer's size "
+                        help="tokens to score with --eval, rounded down to whole forwards of the "
+                             "trainer's size; fewer than one forward: one shorter forward "
                              "(default 0: the checkpoint's --val_tokens)")
     parser.add_argument("--train_files", metavar="GLOB",
                         help="where the training shards of a --ngram_prior model are now, if they moved (matched by "
@@ -448,6 +451,17 @@ def shard_tokens(pattern):
     return sum(validate_shard(path, check_tokens=False) for path in files)
 
 
+def warn_of_changed_validation(snap, pattern):
+    """--eval scores any shards; those named as the run's own validation shards but changed since
+    are said."""
+    if snap.get("validation"):
+        files = sorted(glob.glob(pattern))
+        fingerprints = [tg.shard_fingerprint(f) for f in files]
+        difference = tg.shard_difference(snap["validation"], files, fingerprints, "validation")
+        if difference:
+            warn(f"{difference}: this loss does not compare with its log's")
+
+
 @torch.no_grad()
 def evaluate(args, snap, hp, model, prior, device):
     """Mean loss per token over the first eval tokens of the shards, in forwards of the trainer's size."""
@@ -456,14 +470,20 @@ def evaluate(args, snap, hp, model, prior, device):
     wanted = min(asked, available)
     if wanted <= 0:
         raise tg.DataError(f"--eval {args.eval!r} holds {available + 1} token(s); scoring needs at least 2")
-    chunk = min(tg.tokens_per_rank(hp.val_batch_size, 1, tg.grad_accum_steps(hp, 1), what="--val_batch_size"), wanted)
+    forward = tg.tokens_per_rank(hp.val_batch_size, 1, tg.grad_accum_steps(hp, 1),
+                                 what="--val_batch_size")
+    chunk = min(forward, wanted)
     count = wanted // chunk * chunk
+    if chunk < forward:
+        print(f"{PROG}: note: scoring {count:,} token(s) in one forward, shorter than the "
+              f"trainer's {forward:,} (the log's losses are of whole forwards)", file=sys.stderr)
     if count < asked:
         why = [f"the shards hold {available + 1:,} tokens"] if wanted < asked else []
         why += [f"whole forwards of {chunk:,} tokens"] if count < wanted else []
         print(f"{PROG}: note: scoring {count:,} of the {asked:,} tokens asked for (" +
               ("--eval_tokens" if args.eval_tokens else "the checkpoint's --val_tokens") + f"): {' and '.join(why)}",
               file=sys.stderr)
+    warn_of_changed_validation(snap, args.eval)
     tokens = tg.read_validation_tokens(args.eval, count + 1, hp.vocab_size)
     windows = tg.Schedule(hp).final_windows
     losses = [model(b.inputs, b.targets, b.cu_seqlens, windows, b.bigram_ids)

@@ -918,8 +918,15 @@ def parse(argv):
         args.world_size = default_world_size(parser)
     if args.world_size < 1:
         parser.error(f"--world_size must be at least 1, got {args.world_size}")
-    if args.reference is not None and not os.path.isfile(args.reference):
-        parser.error(f"--reference {args.reference}: no such file (a modded-nanogpt record log)")
+    if args.reference is not None:
+        try:
+            reference_step.read_log(args.reference)
+        except reference_step.LogError as e:
+            parser.error(f"--reference {args.reference}: {e}")
+        if 8 % args.world_size:
+            parser.error(f"--reference {args.reference}: the record's step runs on world sizes "
+                         f"dividing 8 (its grad_accum_steps = 8 // world_size), not --world_size "
+                         f"{args.world_size}")
     trainer = tg.parser_for(rest, prog=parser.prog)
     try:
         hp = tg.hyperparameters_from(trainer.parse_args(rest))
