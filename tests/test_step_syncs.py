@@ -158,7 +158,10 @@ def test_gpu_smoke_script_dry_run():
     assert int(plan[2]) == len(kinds) - kinds.count("autotune") and int(plan[4]) == kinds.count("autotune")
     for kind in ("training", "DistAdam", "NorMuon", "Triton kernels", "FP8 head"):
         assert re.search(rf"\b\d+ {kind}\b", plan[3]), plan[3]
-    assert int(plan[6]) == round(cuda_plan.budget_s()) <= 420
+    assert int(plan[6]) == round(cuda_plan.budget_s())
+    # the checks that pass or fail fit a 7-minute call; the speed measurements (INFO, the plan's last)
+    # are what a lend's --deadline may cut
+    assert sum(c.own_budget_s(torch.device("cuda")) for c in cuda_plan._planned() if not c.info) <= 420
     assert f"`{cuda_plan.plan_line()}`" in (ROOT / "docs" / "gpu-smoke.md").read_text(encoding="utf-8")  # its example
     assert {n for n, status in found.items() if status == "SKIP"} == {c.name for c in cuda_plan.checks if c.cuda_only}
     assert "FAIL" not in found.values() and found["train_steps_move_every_parameter"] == "PASS"
