@@ -2776,8 +2776,8 @@ def open_data(hp, schedule, rank, world_size, device, accum, log):
     if hp.micro_batch_tokens:
         pieces = describe_pieces(micro_step_pieces(hp, schedule.stages, world_size, accum))
         log(f"micro_batch_tokens {hp.micro_batch_tokens}: micro-steps of {pieces} (documents in "
-            f"order, at most {hp.micro_batch_tokens} tokens a piece, with the previous document and "
-            f"2 targets of context, padded)")
+            f"order, at most {hp.micro_batch_tokens} tokens a piece, with the previous document "
+            f"and 2 targets of context, padded)")
     train_pattern, val_pattern, data_description = resolve_data(hp, rank)
     log(f"data: {data_description}")
     val_tokens = read_validation_tokens(val_pattern, hp.val_tokens + 1, hp.vocab_size)  # read once
@@ -3192,11 +3192,11 @@ def parse_args(argv=None):
 
 
 def companion_files(hp):  # files a run may load beside this script; logged after it
-    defaults = Hyperparameters()  # --synthetic_fallback's corpus is data/synthetic.py's
-    synthetic = hp.synthetic_fallback and (hp.train_files, hp.val_files) == (
-        defaults.train_files, defaults.val_files)
+    # (--synthetic_fallback's corpus is data/synthetic.py's; by a flag every rank shares, not by the
+    # data paths, which may differ between machines)
     return (["track3.py"] * (hp.matrix_optimizer != "normuon")
-            + ["ngram_prior.py"] * (hp.ngram_prior > 0) + ["data/synthetic.py"] * synthetic)
+            + ["ngram_prior.py"] * (hp.ngram_prior > 0)
+            + ["data/synthetic.py"] * hp.synthetic_fallback)
 
 
 def load_companion(name):
@@ -3686,9 +3686,12 @@ COMPANION_HEADER = "\n\n{dashes}\n# {name}\n{dashes}\n\n"  # before each compani
 
 
 def run_source(hp):
-    """The code a log carries: this script, then each companion file under COMPANION_HEADER."""
+    """The code a log carries: this script, then each companion file under COMPANION_HEADER (one
+    that is not there is one the run cannot have loaded: load_companion refuses a missing file)."""
     source = Path(__file__).read_text(encoding="utf-8")
     for name in companion_files(hp):
+        if not (Path(__file__).parent / name).is_file():
+            continue
         source += COMPANION_HEADER.format(dashes="-" * 40, name=name)
         source += (Path(__file__).parent / name).read_text(encoding="utf-8")
     return source if source.endswith("\n") else source + "\n"

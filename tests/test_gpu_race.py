@@ -66,7 +66,7 @@ def test_race_line_table_and_files(dry_run):
         assert lines[table + 1 + i].startswith(kind) and len(values) == 4, lines[table + 1 + i]
     files = sorted(p.name for p in out.iterdir())
     assert files == ["classes.csv", "kernels.csv", "race.txt", "times.csv"]
-    assert all(p.stat().st_size <= gpu_race.MAX_FILE_BYTES for p in out.iterdir())
+    assert all(p.stat().st_size <= gpu_race.compile_caches.MAX_FILE_BYTES for p in out.iterdir())
     assert (out / "race.txt").read_text().splitlines()[-1] == lines[-1]
     kernels = (out / "kernels.csv").read_text().splitlines()
     sides = {row.split(",")[0] for row in kernels[1:]}

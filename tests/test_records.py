@@ -742,8 +742,8 @@ def test_replay_runs_script_with_recorded_and_extra_args(tmp_path, capfd):
     rc = rec.main(["replay", "--nproc", "0", "--dir", str(tmp_path), str(log), "--", "--preset", "cpu", "-x"])
     assert rc == 3
     assert (tmp_path / "replayed.txt").read_text() == "--preset gpu --preset cpu -x"
-    assert not (tmp_path / ".replay_abc.py").exists()
-    cmd = [sys.executable, ".replay_abc.py", "--preset", "gpu", "--preset", "cpu", "-x"]
+    assert not (tmp_path / ".replay_abc").exists()
+    cmd = [sys.executable, ".replay_abc/train_gpt.py", "--preset", "gpu", "--preset", "cpu", "-x"]
     err = capfd.readouterr().err
     assert err == f"records.py: replay: cd {shlex.quote(str(tmp_path))} && {shlex.join(cmd)}\n"
 
@@ -824,7 +824,7 @@ def test_contract_roundtrip_with_fake_trainer(tmp_path, capfd):
     assert rec.recorded_args(rec.read_log(new), new) == ["--seed", "1", "--seed", "2"]
     # the recorded world_size 1: plain python here, torchrun with 1 process where torch sees a GPU
     (line,) = [l for l in capfd.readouterr().err.splitlines() if l.startswith("records.py:")]
-    assert line.startswith("records.py: replay: cd ") and line.endswith(".replay_first.py --seed 1 --seed 2")
+    assert line.startswith("records.py: replay: cd ") and line.endswith(".replay_first/train_gpt.py --seed 1 --seed 2")
 
 
 # --------------------------------------------------------------------------- CLI as a script
