@@ -1,7 +1,7 @@
 """The race: our record step against record #89's own, timed on one GPU in one process.
 
     python3 tools/gpu_race.py --out race                 # one CUDA GPU (docs/gpu-smoke.md's plan)
-    python3 tools/gpu_race.py --dry-run --out /tmp/race  # tiny, eager, on the CPU (slow tier)
+    python3 tools/gpu_race.py --dry-run --out race-out  # tiny, eager, on the CPU (slow tier)
 
 Both sides run one training step at stage 3's per-GPU shape (49,152 tokens in one micro-step, stage
 3's windows and multi-token weights): forward, backward and the optimizer step at world size 1,
