@@ -3788,9 +3788,10 @@ def forced_overrides(snap, hp, ours, theirs):
         return _flag_text(tuple(value) if isinstance(value, list) else value)
     items = [f"--{name} {text(theirs.get(name))} -> {text(ours[name])}"
              for name in trajectory_changes(ours, theirs)]
-    if snap["script_sha256"] != script_sha256(hp):
+    sha256 = script_sha256(hp)  # (reads and hashes the run's files)
+    if snap["script_sha256"] != sha256:
         items.append(f"another train_gpt.py (sha256 {snap['script_sha256'][:12]} -> "
-                     f"{script_sha256(hp)[:12]})")
+                     f"{sha256[:12]})")
     return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
 
 

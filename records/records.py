@@ -404,22 +404,9 @@ def first_log(path) -> Path:
 # commands
 
 
-def files_of(path, names=()) -> tuple[Path, dict[str, bytes]]:
-    """(path, {file name: bytes}) of a log's code (split_files), a record folder's (its first log)
-    or a plain script's: the script as SCRIPT_NAME, with those of `names` that lie beside it."""
-    path, script = script_of(path)
-    if is_log(_read_bytes(path)):
-        return path, split_files(script)
-    files = {SCRIPT_NAME: script}
-    for name in names:
-        if name != SCRIPT_NAME and (path.parent / name).is_file():
-            files[name] = _read_bytes(path.parent / name)
-    return path, files
-
-
-def script_of(path) -> tuple[Path, bytes]:
-    """(name, code) for a log (its whole code part), a record folder (its first log) or a plain
-    script file.
+def files_of(path) -> tuple[Path, dict[str, bytes], bool]:
+    """(path, {file name: bytes}, whether it is a log) of a log's code (split_files), a record
+    folder's (its first log) or a plain script's (the script alone, as SCRIPT_NAME).
 
     A file with a separator line of 100 '=' is a log (checked like any log); a file without
     one is a script only if its name ends in .py and it is UTF-8 text.
@@ -429,7 +416,7 @@ def script_of(path) -> tuple[Path, bytes]:
         path = first_log(path)
     data = _read_bytes(path)
     if is_log(data):
-        return path, split_log(data, path).script
+        return path, split_files(split_log(data, path).script), True
     if path.suffix != ".py":
         raise _not_a_log(path, "no separator line of 100 '='; a plain script must be a .py file")
     try:
@@ -437,16 +424,25 @@ def script_of(path) -> tuple[Path, bytes]:
     except UnicodeDecodeError:
         raise RecordError(f"{path}: not UTF-8 text, so not a script; give a .py script, a log "
                           f"or a record folder") from None
-    return path, data
+    return path, {SCRIPT_NAME: data}, False
+
+
+def beside(script, names) -> dict[str, bytes]:
+    """The files of `names` (companion files) that lie beside a plain script."""
+    return {name: _read_bytes(script.parent / name) for name in names
+            if name != SCRIPT_NAME and (script.parent / name).is_file()}
 
 
 def script_diff(a, b, context: int = 3) -> str:
     """Unified diff of two runs' code, file by file (the script, then each companion file of
-    either): each a log, a record folder (its first log) or a script (with its companions)."""
-    la, fa = files_of(a)
-    lb, fb = files_of(b, names=fa)
-    if not is_log(_read_bytes(la)):
-        la, fa = files_of(a, names=fb)
+    either): each a log, a record folder (its first log) or a script (with the companion files
+    of the other side that lie beside it)."""
+    la, fa, a_log = files_of(a)
+    lb, fb, b_log = files_of(b)
+    if not b_log:
+        fb.update(beside(lb, fa))
+    if not a_log:
+        fa.update(beside(la, fb))
     lines = []
     for name in [*fa, *(n for n in fb if n not in fa)]:
         ta = fa.get(name, b"").decode("utf-8", errors="replace").splitlines(keepends=True)

@@ -643,11 +643,6 @@ def race(shape, device, log_path, warmup, pairs, kernels=None, say=print):
     return ours, theirs
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def positive(text):
     value = int(text)
     if value < 1:
@@ -656,7 +651,7 @@ def positive(text):
 
 
 def parse(argv):
-    parser = ArgumentParser(prog="gpu_race.py", description=__doc__.split("\n")[0])
+    parser = step_cost.ArgumentParser(prog="gpu_race.py", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--out", required=True, type=Path, help="folder for the files (made if missing)"
     )
