@@ -106,9 +106,13 @@ def test_end_to_end_one_process(one_process_run):
     result, log_path, sources = one_process_run
     assert result.returncode == 0, result.stderr[-3000:]
     raw = log_path.read_bytes()
-    # the log starts with the script, byte for byte, then a line of 100 '='
+    # the log starts with the script, byte for byte, then the companion file the cpu preset's
+    # --synthetic_fallback may load (data/synthetic.py, under its header), then a line of 100 '='
     cut = raw.index(b"\n" + SEPARATOR + b"\n")
-    assert raw[: cut + 1] in sources  # (the script as it was at the start or end of the run: others edit it)
+    synthetic = tg.COMPANION_HEADER.format(dashes="-" * 40, name="data/synthetic.py").encode() + \
+        (SCRIPT.parent / "data" / "synthetic.py").read_bytes()
+    # (the script as it was at the start or end of the run: others edit it)
+    assert raw[: cut + 1] in [source + synthetic for source in sources]
     run_part = raw[cut + 1:].split(SEPARATOR + b"\n", 2)[2].decode()  # after the environment report
     lines = run_part.splitlines()
     step_lines = [line for line in lines if line.startswith("step:")]
