@@ -8,8 +8,8 @@ the same corpus into data/synthetic/ when no shards match the default globs.
 
 A document is BOS (50256) followed by 64 ... 512 tokens. Its words are 8 ... 16 distinct ids drawn
 from a vocabulary of 128 (a fixed draw of ids in 1,000 ... 49,999: the trainer's sizes stay valid).
-The vocabulary is small so that each id recurs often in a short run: its embedding learns in a few
-dozen steps to recall itself from the context (the README's quickstart learns it in 34).
+Of the vocabularies tried for the README's 34-step quickstart (64, 128, 512), 128 learned the most
+(docs/cpu-development.md).
 The document is a run of segments of 4 ... 32 tokens, each one of:
 
 - fresh: ids drawn uniformly from the document's words;
