@@ -7,7 +7,9 @@ format of data/shards.py) and prints one line per shard. train_gpt.py's --synthe
 the same corpus into data/synthetic/ when no shards match the default globs.
 
 A document is BOS (50256) followed by 64 ... 512 tokens. Its words are 8 ... 16 distinct ids drawn
-from a vocabulary of 512 (a fixed draw of ids in 1,000 ... 49,999: the trainer's sizes stay valid).
+from a vocabulary of 128 (a fixed draw of ids in 1,000 ... 49,999: the trainer's sizes stay valid).
+Of the vocabularies tried for the README's 34-step quickstart (64, 128, 512), 128 learned the most
+(docs/cpu-development.md).
 The document is a run of segments of 4 ... 32 tokens, each one of:
 
 - fresh: ids drawn uniformly from the document's words;
@@ -17,8 +19,8 @@ The words are long-range agreement: every token of a document comes from a set t
 start, so a model that looks back over the document needs about ln(words) nats per fresh token.
 The copies are exact: a model that finds where the span started predicts the rest of it for free.
 A count model of order 5 sees only the last 4 tokens, which in a document of random words almost
-never occurred in training, so it pays nearly ln(512) = 6.2 nats on most tokens
-(tools/ngram_baseline.py --order 5 measures it).
+never occurred in training; it learns little more than that a recent token may recur, and pays
+nearly ln(128) = 4.85 nats on most tokens (tools/ngram_baseline.py --order 5 measures it).
 
 Generation is deterministic from --seed (numpy's default_rng) and takes a few seconds for 8M tokens.
 Bad flags or an unwritable --out print one line ``synthetic.py: error: ...`` and exit with status 2.
@@ -32,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 BOS_ID = 50256
-VOCAB = 512  # ids a document's words are drawn from
+VOCAB = 128  # ids a document's words are drawn from
 FIRST_ID, LAST_ID = 1_000, 50_000  # the range the VOCAB ids are drawn from
 DOC_TOKENS = (64, 512)  # tokens after BOS, inclusive
 WORDS = (8, 16)  # distinct ids per document, inclusive

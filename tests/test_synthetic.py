@@ -59,7 +59,7 @@ def test_shards_are_valid_and_hold_bos_started_documents(corpus):
 
 
 def test_documents_agree_on_their_words_and_copy_their_spans(corpus):
-    """Each document uses at most 16 of the 512 ids; half its segments are copies, so a good
+    """Each document uses at most 16 of the 128 ids; half its segments are copies, so a good
     share of its tokens end an 8-gram it already holds (random draws of its words almost never)."""
     docs = documents(read_shard(corpus[1]).astype(np.int64))
     words = [np.unique(doc).size for doc in docs]
