@@ -4137,8 +4137,9 @@ def resolve_data(hp, rank):
     if hp.synthetic_fallback and untouched and not (glob.glob(train) or glob.glob(val)):
         folder = Path("data") / "synthetic"
         train, val = str(folder / "synthetic_train_*.bin"), str(folder / "synthetic_val_*.bin")
-        if rank == 0 and not (glob.glob(train) and glob.glob(val)):
-            load_companion("data/synthetic.py").synthetic_corpus(folder, write_shard=write_shard)
+        corpus = load_companion("data/synthetic.py")
+        if rank == 0 and not corpus.is_current(folder):  # (one an older version wrote: rewritten)
+            corpus.synthetic_corpus(folder, write_shard=write_shard)
         if dist_ready():
             dist.barrier()
         return train, val, (f"the synthetic corpus in {folder} (no shards match the default "

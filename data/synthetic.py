@@ -23,11 +23,15 @@ never occurred in training; it learns little more than that a recent token may r
 nearly ln(128) = 4.85 nats on most tokens (tools/ngram_baseline.py --order 5 measures it).
 
 Generation is deterministic from --seed (numpy's default_rng) and takes a few seconds for 8M tokens.
+After the shards, ``corpus.txt`` records what wrote them (this file's sha256 and the arguments), so
+that a folder an older version of this file wrote is known as stale (``is_current``) and rewritten.
 Bad flags or an unwritable --out print one line ``synthetic.py: error: ...`` and exit with status 2.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +46,8 @@ SEGMENT_TOKENS = (4, 32)  # inclusive
 COPY_PROBABILITY = 0.5  # of a segment, once the document has a span to copy
 TRAIN_TOKENS, VAL_TOKENS = 8_000_000, 262_144
 PROG = "synthetic.py"
+SHARD_NAMES = ("synthetic_val_000000.bin", "synthetic_train_000001.bin")
+STAMP = "corpus.txt"
 
 
 def vocabulary(rng):
@@ -86,22 +92,45 @@ def default_write_shard(path, tokens):
     write_shard(path, tokens)
 
 
+def stamp(seed, train_tokens, val_tokens):
+    """The line corpus.txt holds: this file's sha256 and synthetic_corpus's arguments."""
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    return (f"data/synthetic.py sha256 {digest} seed {seed} train_tokens {train_tokens} "
+            f"val_tokens {val_tokens}\n")
+
+
+def is_current(out_dir, seed=0, train_tokens=TRAIN_TOKENS, val_tokens=VAL_TOKENS):
+    """Whether out_dir holds what synthetic_corpus(out_dir, ...) writes: both shards and the
+    stamp of this file and these arguments."""
+    out_dir = Path(out_dir)
+    try:
+        written = (out_dir / STAMP).read_text()
+    except OSError:
+        return False
+    return written == stamp(seed, train_tokens, val_tokens) and all(
+        (out_dir / name).is_file() for name in SHARD_NAMES)
+
+
 def synthetic_corpus(out_dir, seed=0, train_tokens=TRAIN_TOKENS, val_tokens=VAL_TOKENS,
                      write_shard=None):
-    """Write synthetic_val_000000.bin and synthetic_train_000001.bin into out_dir; returns their
+    """Write synthetic_val_000000.bin and synthetic_train_000001.bin into out_dir, then its stamp
+    (corpus.txt; removed first, so an interrupted rewrite is never current); returns the shards'
     paths. write_shard(path, tokens) writes one shard (default: data/shards.py's; train_gpt.py
     passes its own, so that it need not import itself a second time)."""
     write_shard = write_shard or default_write_shard
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / STAMP).unlink(missing_ok=True)
     rng = np.random.default_rng(seed)
     token_ids = vocabulary(rng)
     paths = []
-    for name, n_tokens in (("synthetic_val_000000.bin", val_tokens),
-                           ("synthetic_train_000001.bin", train_tokens)):
+    for name, n_tokens in zip(SHARD_NAMES, (val_tokens, train_tokens)):
         path = out_dir / name
         write_shard(path, split_tokens(rng, token_ids, n_tokens))
         paths.append(path)
+    temporary = out_dir / f".{STAMP}.{os.getpid()}"
+    temporary.write_text(stamp(seed, train_tokens, val_tokens))
+    temporary.replace(out_dir / STAMP)
     return paths
 
 
@@ -113,6 +142,7 @@ def markov_corpus(out_dir, seed=0, train_tokens=8_000_000, val_tokens=262_144, v
     write_shard = write_shard or default_write_shard
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / STAMP).unlink(missing_ok=True)  # (not the corpus a stamp would name)
     rng = np.random.default_rng(seed)
     token_ids = rng.choice(np.arange(1000, 50000), size=vocab, replace=False)
     successors = rng.integers(0, vocab, size=(topics, vocab, 4))

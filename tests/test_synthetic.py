@@ -82,3 +82,43 @@ def test_the_cli_writes_the_shards_and_rejects_bad_flags(tmp_path, capsys):
             synthetic.main(argv)
         assert exit_.value.code == 2
         assert capsys.readouterr().err == f"synthetic.py: error: {message}\n"
+
+
+def test_a_stamp_names_the_generator_and_its_arguments(tmp_path):
+    synthetic.synthetic_corpus(tmp_path, seed=0, **SIZES)
+    assert synthetic.is_current(tmp_path, seed=0, **SIZES)
+    assert not synthetic.is_current(tmp_path, seed=1, **SIZES)
+    assert not synthetic.is_current(tmp_path)  # the default sizes: another corpus
+    stamp = (tmp_path / synthetic.STAMP).read_text()
+    (tmp_path / synthetic.STAMP).write_text(stamp.replace("sha256 ", "sha256 0"))  # another version
+    assert not synthetic.is_current(tmp_path, seed=0, **SIZES)
+    (tmp_path / synthetic.STAMP).write_text(stamp)
+    (tmp_path / synthetic.SHARD_NAMES[1]).unlink()
+    assert not synthetic.is_current(tmp_path, seed=0, **SIZES)
+
+
+def test_the_markov_corpus_is_not_taken_for_the_stamped_one(tmp_path):
+    synthetic.synthetic_corpus(tmp_path, seed=0, **SIZES)
+    synthetic.markov_corpus(tmp_path, seed=0, **SIZES)
+    assert not synthetic.is_current(tmp_path, seed=0, **SIZES)
+
+
+def test_the_fallback_rewrites_a_corpus_an_older_version_wrote(tmp_path, monkeypatch):
+    """A data/synthetic/ from before a change to data/synthetic.py is rewritten, not trained on."""
+    import train_gpt as tg
+
+    made = []
+    monkeypatch.setattr(synthetic, "synthetic_corpus", lambda folder, **_: made.append(folder))
+    monkeypatch.delenv("DATA_PATH", raising=False)
+    monkeypatch.chdir(tmp_path)
+    folder = Path("data") / "synthetic"
+    folder.mkdir(parents=True)
+    for name in synthetic.SHARD_NAMES:  # an older corpus: shards, no stamp
+        (folder / name).write_bytes(b"")
+    hp = tg.parse_args(["--preset", "cpu"])
+    tg.resolve_data(hp, 0)
+    assert made == [folder]
+    (folder / synthetic.STAMP).write_text(synthetic.stamp(0, synthetic.TRAIN_TOKENS,
+                                                          synthetic.VAL_TOKENS))
+    tg.resolve_data(hp, 0)
+    assert made == [folder]  # current: used as it is
