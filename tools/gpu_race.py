@@ -217,8 +217,8 @@ class VarlenAttention:
 def kernels_for(device):
     """What runs #89's Triton kernels by default: compiled Triton on CUDA, the torch stand-ins
     (tools/reference_kernels.py) on a CPU. Triton 3.6's interpreter (--kernels interpreter) runs
-    them too, but at the dry run's shapes its XXT, ba_plus_cAA and the up projection's backward
-    disagree with the stand-ins (the optimizer step then makes NaN): not yet understood."""
+    them too, with its bf16 dot mended (bf16_dots_in_interpreter: unmended, it multiplied bf16
+    bits as integers, the NaN of the optimizer step), about 100 s a step."""
     return "triton" if device.type == "cuda" else "torch"
 
 
@@ -244,6 +244,32 @@ def bf16_constants_in_interpreter():
 
     if not hasattr(interpreter.InterpreterBuilder, "get_bf16"):
         interpreter.InterpreterBuilder.get_bf16 = get_bf16
+
+
+def bf16_dots_in_interpreter():
+    """Triton 3.6's interpreter multiplies a tl.dot's bf16 operands as the uint16 bits it holds
+    them in (its create_dot widens fp8 operands only), which makes #89's XXT, ba_plus_cAA and
+    fused up projection wrong by ~1e9 at any shape: give it bf16 operands widened to fp32 (exact),
+    accumulated in the dot's fp32 as a tensor core accumulates them."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "widens_bf16", False):
+        return
+    create_dot = builder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot_bf16.widens_bf16 = True
+    builder.create_dot = create_dot_bf16
 
 
 def _cuda_kernel_statement(node):
@@ -283,8 +309,7 @@ class RacingReference(reference_step.Reference):
         tree = self._parse(path)
         if self.race_device.type != "cuda":
             tree.body = [n for n in tree.body if not _cuda_kernel_statement(n)]
-        module = reference_step.types.ModuleType("reference_triton_kernels")
-        module.__file__ = path
+        module = self._module("triton_kernels", path)
         self._exec(tree, module, path)
         if self.race_device.type != "cuda":
             module.ce_fwd_bwd_kernel = reference_kernels.ce_fwd_bwd_kernel
@@ -293,6 +318,7 @@ class RacingReference(reference_step.Reference):
         elif self.kernel_kind == "interpreter":
             tg._squeeze_interpreter_loop_bounds()  # loop bounds under numpy >= 2.4, as for ours
             bf16_constants_in_interpreter()
+            bf16_dots_in_interpreter()
         for value in list(vars(module).values()):
             if isinstance(value, type) and issubclass(value, torch.autograd.Function):
                 value.backward = staticmethod(reference_step._padded_backward(value.backward))
@@ -667,7 +693,7 @@ def parse(argv):
     )
     parser.add_argument("--kernels", choices=("torch", "interpreter"), default=None,
                         help="dry run: #89's Triton kernels as torch stand-ins (default) or in "
-                             "Triton 3.6's interpreter (wrong at these shapes: see kernels_for)")
+                             "Triton 3.6's interpreter (slow: see kernels_for)")
     parser.add_argument("--load-caches", type=Path, default=None, metavar="DIR",
                         help="load the compile caches a smoke saved with --save-caches DIR first")
     args = parser.parse_args(argv)

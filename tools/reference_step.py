@@ -479,6 +479,14 @@ class Reference:
         self.kernels = self._load_kernels(paths["triton_kernels.py"])
         self.module, self._model_code = self._load_script(paths["train_gpt.py"], attention_op)
 
+    def _module(self, name, path):
+        """An empty module for the log's file `name` at `path`, named by this load and registered
+        in sys.modules: dynamo imports the module of a function it inlines by its name."""
+        module = types.ModuleType(f"{self.namespace}_{name}")
+        module.__file__ = path
+        sys.modules[module.__name__] = module
+        return module
+
     def _parse(self, path):
         with open(path, encoding="utf-8") as f:
             return ast.parse(f.read(), filename=path)
@@ -492,8 +500,7 @@ class Reference:
         tree = self._parse(path)
         # its functions are kernels and their launchers: the classes call STAND_INS instead
         tree.body = [n for n in tree.body if _kept(n) and not isinstance(n, ast.FunctionDef)]
-        module = types.ModuleType("reference_triton_kernels")
-        module.__file__ = path
+        module = self._module("triton_kernels", path)
         module.__dict__.update(STAND_INS)
         self._exec(tree, module, path)
         for value in list(vars(module).values()):
@@ -503,8 +510,7 @@ class Reference:
 
     def _load_script(self, path, attention_op):
         tree = self._parse(path)
-        module = types.ModuleType("reference_train_gpt")
-        module.__file__ = path
+        module = self._module("train_gpt", path)
         for node in tree.body:
             if isinstance(node, ast.ImportFrom) and node.module == "triton_kernels":
                 for alias in node.names:
