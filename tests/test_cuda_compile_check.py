@@ -176,12 +176,37 @@ def test_inventory_reads_back_as_csv_and_json(tmp_path):
 def test_a_missing_file_is_one_line_naming_the_flag(capsys, tmp_path):
     import cuda_compile_check as check
 
-    for flag in ("--train-gpt", "--reference"):
+    for flag in ("--train-gpt", "--reference", "--race"):
         with pytest.raises(SystemExit) as exit_:
             check.main([flag, str(tmp_path / "missing.txt")])
         assert exit_.value.code == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith("cuda_compile_check.py: error: " + flag), last
+
+
+def test_race_lowers_every_function_89_compiles():
+    """--race lowers each function #89's script decorates with torch.compile: the AST scan finds
+    its five (a method's name with its class), and none nested in a function body."""
+    import cuda_compile_check as check
+
+    if not check.RACE_LOG.is_file():
+        pytest.skip(f"no #89 log at {check.RACE_LOG}")
+    import reference_step
+
+    script, _ = reference_step.read_log(check.RACE_LOG)
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"race_script_{os.getpid()}.py"
+    path.write_text(script)
+    try:
+        found = check.compiled_definitions(path)
+    finally:
+        path.unlink()
+    assert found == [
+        (None, "polar_express"),
+        (None, "sparse_comms_share_gradients"),
+        ("NorMuonAndAdam", "_adam_update_step"),
+        ("NorMuonAndAdam", "_cautious_wd_and_update_inplace"),
+        ("NorMuonAndAdam", "_apply_normuon_variance_reduction"),
+    ], found
 
 
 if __name__ == "__main__":

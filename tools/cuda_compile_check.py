@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import csv
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -33,9 +34,19 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED_VERSIONS = {"torch": "2.11.0", "triton": "3.6.0"}
+RACE_LOG = (
+    ROOT.parent / "shared" / "reference" / "modded-nanogpt_2026-07-17_FP8DownProjection_11cb620c.txt"
+)  # tools/gpu_race.py's default
 H100_SMEM = 232_448  # shared memory per block (opt-in), bytes
 H100_SMS = 132
-H100 = types.SimpleNamespace(
+
+
+class DeviceProperties(types.SimpleNamespace):
+    """torch.cuda.get_device_properties' answer for the fake device (a type of its own, which
+    dynamo is told is a constant as the real one is)."""
+
+
+H100 = DeviceProperties(
     name="NVIDIA H100 80GB HBM3 (faked)",
     major=9,
     minor=0,
@@ -300,6 +311,10 @@ def capture_ptxas(make_cubin):
     return make
 
 
+def h100_properties(device=None):
+    return H100
+
+
 @contextlib.contextmanager
 def fake_h100():
     """Inductor and Triton see one H100 (sm_90) and compile for it; every patch is undone on
@@ -307,6 +322,8 @@ def fake_h100():
     import torch._inductor.config as inductor_config
     import torch._inductor.runtime.triton_helpers as triton_helpers
     import torch._inductor.scheduler as scheduler
+    import torch._dynamo.utils as dynamo_utils
+    import torch._dynamo.variables.torch as torch_variables
     from torch._dynamo.device_interface import CudaInterface
     from torch._inductor.codegen.triton import TritonScheduling
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
@@ -327,7 +344,13 @@ def fake_h100():
         for name, fn in interface.items():
             patch(CudaInterface, name, staticmethod(fn))
         patch(CudaInterface.Worker, "get_device_properties", staticmethod(lambda device=None: H100))
-        patch(torch.cuda, "get_device_properties", lambda device=None: H100)
+        patch(torch.cuda, "get_device_properties", h100_properties)
+        # dynamo folds the real one to a constant inside a graph (#89's launchers read the SM
+        # count there): the same for the fake
+        folded = torch_variables.constant_fold_functions
+        patch(torch_variables, "constant_fold_functions", {**folded, h100_properties: None})
+        dynamo_utils.common_constant_types.add(DeviceProperties)
+        stack.callback(dynamo_utils.common_constant_types.discard, DeviceProperties)
         patch(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
         patch(triton_helpers, "set_driver_to_gpu", lambda: None)
         patch(scheduler, "has_triton", lambda: True)
@@ -445,7 +468,7 @@ def lower_module(module, args, mode, training=True):
             stack.enter_context(torch.no_grad())
         out = torch.compile(module, dynamic=False, fullgraph=True, backend=backend)(*args)
         if training:
-            out.backward()
+            out.sum().backward()  # a loss per token (#89's) as the training loop sums it
     for kind, gm, inputs in captured:
         for node in gm.graph.nodes:
             if node.kwargs.get("device") == torch.device("cpu"):
@@ -1020,6 +1043,161 @@ def reference_graphs(log_path):
     return graphs, folder
 
 
+# ---------------------------------------------------------------------- --race
+
+
+def compiled_definitions(script_path):
+    """[(class name or None, function name)] of the top-level functions and methods a record's
+    script decorates with torch.compile (those nested in a function body are left out)."""
+    import ast
+    import reference_step
+
+    tree = ast.parse(Path(script_path).read_text())
+    found = []
+    for node in tree.body:
+        owners = [(None, node)] if isinstance(node, ast.FunctionDef) else []
+        if isinstance(node, ast.ClassDef):
+            owners = [(node.name, n) for n in node.body if isinstance(n, ast.FunctionDef)]
+        for owner, fn in owners:
+            if any(reference_step._Rewrite._is_compile(d) for d in fn.decorator_list):
+                found.append((owner, fn.name))
+    return found
+
+
+def race_reference(log_path):
+    """#89's definitions as tools/gpu_race.py races them on a GPU (its Triton kernels real,
+    FlashAttention 3 replaced by FlexAttention, world size 1, one micro-step a step), loaded on the
+    CPU device that holds the check's fake tensors: its torch.compile decorators dropped (each such
+    function is lowered apart, as the decorator compiles it) and its NVRTC loss kernel left out
+    (not Triton; the custom op around it is traced by its fake)."""
+    import gpu_race
+    import reference_step
+
+    class CheckedReference(gpu_race.RacingReference):
+        def _load_script(self, path, attention_op):
+            # the CUDA cautious update (uint32 shifts), not the CPU race's stand-in
+            return reference_step.Reference._load_script(self, path, attention_op)
+
+    attention = gpu_race.our_attention(torch.device("cuda"), compiled=True)
+    shape = gpu_race.RECORD_SHAPE
+    return CheckedReference(log_path, torch.device("cpu"), "triton", attention,
+                            shape.reference_sizes), shape
+
+
+@contextlib.contextmanager
+def race_world(reference_log):
+    """#89's model and training manager on fake CPU tensors in a fake process group of one rank,
+    at stage 3's first step (the untie done): (mode, reference, model, manager, step, shape)."""
+    import gpu_race
+    import step_cost
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with step_cost.fake_group(1), warnings.catch_warnings(), _Patches() as patch:
+        warnings.simplefilter("ignore")
+        with mode:
+            reference, shape = race_reference(reference_log)
+            torch_launchers(reference, patch)
+            model, manager = reference.build()
+            first = reference.module.training_schedule.boundaries[gpu_race.STAGE][0]
+            if reference.module.training_schedule.split_step < first:
+                manager.optimizer.copy_lm_state_to_embed()
+            manager.advance_schedule(first)
+        yield mode, reference, model, manager, first, shape
+
+
+def torch_launchers(reference, patch):
+    """#89's Triton launchers replaced by tools/reference_kernels.py's torch ones while its model
+    is built and its optimizer steps on fake tensors, which Triton cannot run on (its compiled
+    model's graph is traced after, with the real launchers)."""
+    import reference_kernels
+
+    for name, stand_in in reference_kernels.TRITON_LAUNCHERS.items():
+        for holder in (reference.module, reference.kernels):
+            if hasattr(holder, name):
+                patch(holder, name, stand_in)
+
+
+class RaceRun:
+    """The race's graphs of #89's step (tools/gpu_race.py): its compiled model's forward and
+    backward, and each function its script compiles, at the arguments its optimizer step gives
+    them (an even step and an odd, Adam, one)."""
+
+    def __init__(self, log_path):
+        self.log_path = log_path
+
+    def training_step(self):
+        """(mode, loss function, arguments) of the race's forward: the model on stage 3's batch
+        of 49,152 tokens in documents of 768, the loss summed as the race sums it."""
+        import gpu_race
+
+        with race_world(self.log_path) as (mode, reference, model, manager, _, shape):
+            batch = gpu_race.reference_batch(reference.module, shape, torch.device("cpu"))
+            with mode:
+                batch = tuple(mode.from_tensor(t) for t in batch)
+            forward_args = manager.get_forward_args()
+
+        return mode, model, (*batch, forward_args)
+
+    def compiled_calls(self):
+        """{(function, argument key): (function, meta arguments)} of the script's compiled
+        functions in an even and an odd step of the optimizer, recorded on fake tensors."""
+        calls = {}
+        with race_world(self.log_path) as (mode, reference, model, manager, first, _):
+            module = reference.module
+            with _Patches() as patch, mode:
+                for owner, name in compiled_definitions(module.__file__):
+                    holder = getattr(module, owner) if owner else module
+                    fn = vars(holder)[name]
+                    fn = fn.__func__ if isinstance(fn, staticmethod) else fn
+                    label = f"{owner}.{name}" if owner else name
+                    wrapped = recording_call(calls, label, fn)
+                    patch(holder, name, staticmethod(wrapped) if owner else wrapped)
+                for step in (first, first + 1):
+                    for p in model.parameters():
+                        p.grad = torch.zeros_like(p)
+                    manager.advance_schedule(step)
+                    manager.step_optimizers(step)
+        return calls
+
+
+def recording_call(calls, label, fn):
+    """fn, its calls recorded in `calls` by argument key (keywords bound: constants of the
+    graph)."""
+
+    def call(*args, **kwargs):
+        key = (label, argument_key(args), tuple(sorted(kwargs.items())))
+        bound = functools.partial(fn, **kwargs) if kwargs else fn
+        calls.setdefault(key, (bound, meta_args(args)))
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def race_graphs(log_path):
+    """The race's graphs of #89's step, named `race #89 ...`."""
+    run = RaceRun(log_path)
+    graphs = [
+        Graph(
+            "race #89 training step at 49,152 tokens (stage 3, forward+backward, FlexAttention "
+            "for FlashAttention 3)",
+            run.training_step,
+            lambda p: lower_module(p[1], p[2], p[0]),
+        )
+    ]
+    try:
+        calls = run.compiled_calls()
+    except Exception as e:  # named as one graph not compiled
+        return graphs + [Graph("race #89 optimizer's compiled functions", _raiser(e), None)]
+    for (label, _, kwargs), (fn, args) in sorted(calls.items(), key=str):
+        shapes = ", ".join("x".join(map(str, a.shape)) for a in args
+                           if isinstance(a, torch.Tensor) and a.dim())
+        keywords = "".join(f", {k}={v}" for k, v in kwargs)
+        graphs.append(Graph(f"race #89 {label} at {shapes}{keywords}", lambda args=args: args,
+                            lambda args, fn=fn: lower_function(fn, args)))
+    return graphs
+
+
 # ---------------------------------------------------------------------- main
 
 
@@ -1138,6 +1316,16 @@ def build_arg_parser():
         "(e.g. #89's in ../shared/reference/), at the calls of its script's stage-3 step",
     )
     parser.add_argument(
+        "--race",
+        type=Path,
+        nargs="?",
+        const=RACE_LOG,
+        metavar="LOG",
+        help="compile instead the graphs of #89's step in tools/gpu_race.py's race (its model's "
+        "forward and backward, its compiled optimizer functions) from LOG (default: #89's log in "
+        "../shared/reference/)",
+    )
+    parser.add_argument(
         "--kernels", action="store_true", help="print every kernel's line, not only the graphs'"
     )
     parser.add_argument(
@@ -1157,6 +1345,10 @@ def check_args(parser, args):
         parser.error(
             f"--reference {args.reference}: no such file; give a modded-nanogpt record log"
         )
+    if args.race and not args.race.is_file():
+        parser.error(f"--race {args.race}: no such file; give modded-nanogpt record #89's log")
+    if args.race and args.reference:
+        parser.error("--race and --reference: give one (each compiles its own graphs)")
     if args.inventory and not args.inventory.parent.is_dir():
         parser.error(
             f"--inventory {args.inventory}: no folder {args.inventory.parent}; make it first"
@@ -1175,6 +1367,8 @@ def main(argv=None):
     if args.reference:
         graphs, _folder = reference_graphs(args.reference)
         graphs = select(graphs, args.only)
+    elif args.race:
+        graphs = select(race_graphs(args.race), args.only)
     else:
         graphs = select(record_graphs(RecordRun(tg)), args.only)
     if args.list:
@@ -1186,7 +1380,7 @@ def main(argv=None):
         )
     print(
         f"torch {torch.__version__}, Triton {running_versions()['triton']}; "
-        f"{args.reference or args.train_gpt}"
+        f"{args.reference or args.race or args.train_gpt}"
     )
     print("fake H100: " + "; ".join(FAKE_SETTINGS), flush=True)
     with fake_h100():
