@@ -514,7 +514,6 @@ def fake_graph_run():
     """Inductor's compiled graphs runnable on fake CUDA tensors: no device guard or stream, its
     buffer helpers made of fake tensors, its Triton launches skipped (compiled already), the CuTe
     DSL's cubins counted as kernels of the graph."""
-    import cutlass.cute as cute
     from torch._C._dynamo import guards
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
@@ -525,8 +524,10 @@ def fake_graph_run():
         LOG.compiling = None
         return compiled
 
-    compile_kernel = cute.compile
-    with _Patches() as patch:
+    with mock.patch.dict(os.environ, FLASH_CROSS_COMPILE), _Patches() as patch:
+        import cutlass.cute as cute  # after the settings: the CuTe DSL reads its arch on import
+
+        compile_kernel = cute.compile
         patch(torch._C, "_cuda_getCurrentRawStream", lambda device: 0)
         patch(guards, "_empty_strided_cuda", _fake_empty_strided_cuda)
         patch(guards, "_reinterpret_tensor", _fake_reinterpret)
@@ -534,8 +535,7 @@ def fake_graph_run():
         patch(torch.cuda, "_DeviceGuard", _NoDeviceGuard)
         patch(CachingAutotuner, "run", lambda self, *args, **kwargs: None)
         patch(cute, "compile", compile_cubin)
-        with mock.patch.dict(os.environ, FLASH_CROSS_COMPILE):
-            yield
+        yield
 
 
 def kernel_class_name(fn):
@@ -558,9 +558,8 @@ def lower_and_run(module, args, mode):
     that the CuTe DSL compiles the kernels flash-attn-4 would launch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    lowered = lower_module(module, args, mode)
-    with fake_graph_run():
-        for _kind, compiled, inputs in lowered:
+    with fake_graph_run():  # around the lowering too: the compiled module binds its helpers
+        for _kind, compiled, inputs in lower_module(module, args, mode):
             with FakeTensorMode(allow_non_fake_inputs=True) as fake:
                 compiled.current_callable([on_device(t, fake, "cuda") for t in inputs])
 
