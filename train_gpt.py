@@ -192,6 +192,7 @@ class Hyperparameters:
     compile: bool = hp_field(True, "torch.compile the model (CUDA only; CPU always runs eager)")
     fp8: str = hp_field("auto", "FP8 head (and --fp8_mlp) matmuls in training: auto (CUDA, "
                                 "capability >= 8.9), on, off")
+    flex_backend: str = hp_field("triton", "FlexAttention's CUDA kernels: triton or flash")
     run_id: str = hp_field("", "name of the log file logs/<run_id>.txt (default: a new uuid)")
     log_dir: str = hp_field("logs", "folder for logs, profiler traces and checkpoints")
     save_every: int = hp_field(0, "write a resumable checkpoint every N steps (even N; 0: never)")
@@ -1791,7 +1792,7 @@ def backend_for(hp, device, accum=1, fp8_hardware=None, attention=None, prior=No
         raise ConfigError("--ngram_prior needs the CPU loss path (the GPU losses add no prior); "
                           "use --device cpu or --ngram_prior 0")
     fp8 = uses_fp8(hp, device, fp8_hardware)
-    return Backend(attention or FlexWindowAttention(compile_kernel=not hp.compile),
+    return Backend(attention or flex_attention_for(hp),
                    functools.partial(softcap_cross_entropy, grad_scale=1 / accum),
                    head_fp8_scales(hp.head_fp8_amax, accum) if fp8 else None,
                    True, True, GPU_POLAR_EXPRESS, hp.compile, accum)
@@ -3198,7 +3199,8 @@ def companion_files(hp):  # files a run may load beside this script; logged afte
     # data paths, which may differ between machines)
     return (["track3.py"] * (hp.matrix_optimizer != "normuon")
             + ["ngram_prior.py"] * (hp.ngram_prior > 0)
-            + ["data/synthetic.py"] * hp.synthetic_fallback)
+            + ["data/synthetic.py"] * hp.synthetic_fallback
+            + ["flex_flash.py"] * (hp.flex_backend == "flash"))
 
 
 def load_companion(name):
@@ -3239,7 +3241,13 @@ VALUE_RULES = [  # (flags, test, what the test means), applied to every value of
     (("ngram_prior_order",), lambda v: 2 <= v <= MAX_NGRAM_ORDER,
      f"must be in 2 ... {MAX_NGRAM_ORDER}"),
     (("seed",), lambda v: 0 <= v < 2 ** 63, "must be in [0, 2^63)"),
+    (("flex_backend",), lambda v: v in ("triton", "flash"), "must be triton or flash"),
 ]
+
+
+def flex_attention_for(hp):  # the GPU attention of --flex_backend (flash: flex_flash.py's)
+    return FlexWindowAttention(compile_kernel=not hp.compile) if hp.flex_backend == "triton" \
+        else load_companion("flex_flash.py").flash_window_attention(hp)
 
 
 def value_rules(hp):

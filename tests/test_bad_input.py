@@ -124,6 +124,7 @@ BAD_FLAGS = [
     (["--ngram_prior", "8.04"], "--ngram_prior 8.04 is above 8.037"),
     (["--ngram_prior_order", "1"], "--ngram_prior_order must be in 2 ... 5"),
     (["--ngram_prior_order", "6"], "--ngram_prior_order must be in 2 ... 5"),
+    (["--flex_backend", "flsh"], "--flex_backend must be triton or flash"),
 ]
 
 
@@ -133,6 +134,18 @@ def test_bad_flag_is_one_line_before_any_work(corpus, tmp_path, capsys, extra, n
     assert result is None
     one_line_error(code, err, needle)
     assert not list(tmp_path.glob("*.txt"))  # rejected before a log was even created
+
+
+def test_flex_backend_flash_without_flash_attn_4_is_one_line(monkeypatch):
+    """--flex_backend flash where flash-attn-4 does not import (the GPU image today): one line
+    naming the flag, the package and the way back, when the GPU backend is built."""
+    flex_flash = tg.load_companion("flex_flash.py")
+    monkeypatch.setattr(flex_flash, "flash_available", lambda: False)
+    hp = tg.parse_args(["--flex_backend", "flash"])
+    with pytest.raises(tg.ConfigError) as info:
+        tg.backend_for(hp, torch.device("cuda"), fp8_hardware=True)
+    assert str(info.value).startswith("--flex_backend flash needs flash-attn-4")
+    assert "--flex_backend triton" in str(info.value) and "\n" not in str(info.value)
 
 
 BAD_ENVIRONMENTS = [

@@ -7,12 +7,13 @@ from pathlib import Path
 import train_gpt as tg
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = [ROOT / "train_gpt.py", ROOT / "track3.py", ROOT / "ngram_prior.py"]
+CODE = [ROOT / "train_gpt.py", ROOT / "track3.py", ROOT / "ngram_prior.py", ROOT / "flex_flash.py"]
 MAX_COLUMNS = 100
 # Growth guards, set at this round's sizes (the issue's 2,500 and 4,000 were measured on the file before
 # it was wrapped to 100 columns; its code lines alone are ~3,300 now): the recipe, before the fence, and
-# the whole file (4,700: issue 55's bookkeeping, ported after the fence, took ~140 lines)
-RECORD_PATH_LINES, FILE_LINES = 3102, 4700
+# the whole file (4,700: issue 55's bookkeeping, ported after the fence, took ~140 lines; 4,701: issue 53's
+# --flex_backend, whose companion file flex_flash.py holds the rest)
+RECORD_PATH_LINES, FILE_LINES = 3102, 4701
 FENCE = "# " + "=" * 94
 
 

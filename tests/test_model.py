@@ -746,3 +746,20 @@ def test_position_free_dims_are_not_rotated():
     rotating = [d for d in range(D) if d not in free]
     assert torch.equal(y[:, :, free], x[:, :, free])
     assert not torch.allclose(y[1:, :, rotating], x[1:, :, rotating])
+
+
+@pytest.mark.parametrize("T,bounds,window", MASK_CASES)
+def test_flash_mask_is_the_sliding_document_mask(T, bounds, window):
+    """--flex_backend flash's mask (flex_flash.py) reads the window another way (a (1,) buffer at
+    the batch index, as the FLASH backend can): the same tiles, and its mask mod allows exactly the
+    pairs sliding_document_mask's does."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    flash = tg.load_companion("flex_flash.py")
+    docs, window_tokens = _docs(bounds, T), torch.tensor(window)
+    want, got = tg.sliding_document_mask(docs, window_tokens), flash.flash_document_mask(docs, window_tokens)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(create_mask(got.mask_mod, 1, 1, T, T, device="cpu"),
+                       create_mask(want.mask_mod, 1, 1, T, T, device="cpu"))

@@ -28,6 +28,7 @@ import tempfile
 import time
 import types
 import warnings
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -427,7 +428,8 @@ def lower_module(module, args, mode, training=True):
     training, the forward alone under no_grad otherwise (as the trainer validates). Traced on fake
     CPU tensors (the autograd engine asks the CUDA driver about device 0 when a backward is traced
     on CUDA ones; a constant made from Python data on a fake CUDA tensor needs the driver too), the
-    captured graphs moved to cuda and each lowered by Inductor."""
+    captured graphs moved to cuda and each lowered by Inductor. Returns (kind, Inductor's compiled
+    graph, its inputs) of each."""
     import torch._functorch.config as functorch_config
     import torch.nn.attention.flex_attention as flex_module
     from torch._functorch.aot_autograd import aot_module_simplified
@@ -469,6 +471,7 @@ def lower_module(module, args, mode, training=True):
         out = torch.compile(module, dynamic=False, fullgraph=True, backend=backend)(*args)
         if training:
             out.sum().backward()  # a loss per token (#89's) as the training loop sums it
+    lowered = []
     for kind, gm, inputs in captured:
         for node in gm.graph.nodes:
             if node.kwargs.get("device") == torch.device("cpu"):
@@ -478,10 +481,11 @@ def lower_module(module, args, mode, training=True):
             cuda_inputs = [on_device(t, mode, "cuda") for t in inputs]
         if kind == "inference":  # as compile_fx's inference path does before lowering
             gm = _recursive_joint_graph_passes(gm, input_device=torch.device("cuda", 0))
-        compile_fx_inner(
+        compiled = compile_fx_inner(
             gm, cuda_inputs, is_backward=kind == "backward", is_inference=kind == "inference"
         )
-    return captured
+        lowered.append((kind, compiled, inputs))
+    return lowered
 
 
 def lower_triton_kernel(kernel, args, constexprs, config):
@@ -504,6 +508,83 @@ def lower_triton_kernel(kernel, args, constexprs, config):
         ],
     )
     LOG.compiling = None
+
+
+# ------------------------------------------------------------ FlexAttention's FLASH backend
+# Inductor renders FLASH as Python that calls flash-attn-4, whose CuTe DSL compiles each kernel at
+# its first call. flash-attn-4 compiles without running under a FakeTensorMode, for the arch its
+# cross-compile settings name; these run Inductor's compiled graph on fake tensors to get there.
+FLASH_CROSS_COMPILE = {
+    "FLASH_ATTENTION_ARCH": "90",  # flash-attn-4's kernel choice (SM90)
+    "CUTE_DSL_ARCH": "sm_90a",  # the CuTe DSL's target
+    "FLASH_ATTENTION_NUM_SMS": str(H100_SMS),  # its tile scheduler's SM count
+}
+
+
+class _NoDeviceGuard:
+    def __init__(self, device):
+        pass
+
+    def __enter__(self):
+        pass
+
+    def __exit__(self, *exc):
+        pass
+
+
+@contextlib.contextmanager
+def fake_graph_run():
+    """Inductor's compiled graphs runnable on fake CUDA tensors: no device guard or stream, its
+    buffer helpers made of fake tensors, its Triton launches skipped (compiled already), the CuTe
+    DSL's cubins counted as kernels of the graph."""
+    from torch._C._dynamo import guards
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    def compile_cubin(fn, *args, **kwargs):
+        LOG.compiling = kernel_class_name(fn)
+        compiled = compile_kernel(fn, *args, **kwargs)
+        LOG.add(LOG.compiling, [Binary(kwargs.get("options", ""), 0, 0, 0)])
+        LOG.compiling = None
+        return compiled
+
+    with mock.patch.dict(os.environ, FLASH_CROSS_COMPILE), _Patches() as patch:
+        import cutlass.cute as cute  # after the settings: the CuTe DSL reads its arch on import
+
+        compile_kernel = cute.compile
+        patch(torch._C, "_cuda_getCurrentRawStream", lambda device: 0)
+        patch(guards, "_empty_strided_cuda", _fake_empty_strided_cuda)
+        patch(guards, "_reinterpret_tensor", _fake_reinterpret)
+        patch(torch.cuda, "set_device", lambda device: None)
+        patch(torch.cuda, "_DeviceGuard", _NoDeviceGuard)
+        patch(CachingAutotuner, "run", lambda self, *args, **kwargs: None)
+        patch(cute, "compile", compile_cubin)
+        yield
+
+
+def kernel_class_name(fn):
+    """What the CuTe DSL compiles: a kernel object's class, a bound method's class, a function."""
+    if hasattr(fn, "__self__"):
+        return type(fn.__self__).__name__
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _fake_empty_strided_cuda(size, stride, dtype):
+    return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
+
+
+def _fake_reinterpret(t, size, stride, offset):
+    return t.as_strided(size, stride, t.storage_offset() + offset)
+
+
+def lower_and_run(module, args, mode):
+    """lower_module's forward and backward, then each compiled graph run on fake CUDA tensors, so
+    that the CuTe DSL compiles the kernels flash-attn-4 would launch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with fake_graph_run():  # around the lowering too: the compiled module binds its helpers
+        for _kind, compiled, inputs in lower_module(module, args, mode):
+            with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+                compiled.current_callable([on_device(t, fake, "cuda") for t in inputs])
 
 
 # ---------------------------------------------------------------------- the plan
@@ -706,6 +787,39 @@ class RecordRun:
             args = (b.inputs, b.targets, b.cu_seqlens, plan.val_window_tensor, b.bigram_ids)
         return mode, model, args
 
+    def flash_attention(self, paired):
+        """One attention layer of the training step on --flex_backend flash (flex_flash.py), as
+        attention_context builds its mask (the long window, from the step's window tensor) and
+        the layer calls it: at (T, heads, head_dim), or paired (2T, heads / 2, head_dim)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        tg, hp = self.tg, self.hp
+        flash = tg.load_companion("flex_flash.py")
+        if not flash.flash_available():
+            raise ModuleNotFoundError("flash_attn.cute does not import: pip install --pre "
+                                      "flash-attn-4 to check it (docs/gpu-smoke.md)")
+        attention = flash.FlashWindowAttention()
+        plan = self.schedule.at(self.step)
+
+        def layer(q, k, v, cu_seqlens, window_blocks, scale):
+            docs = tg.document_ids(cu_seqlens, self.tokens)
+            tokens = window_blocks[1] * hp.window_block_tokens
+            mask = attention.mask(docs.repeat_interleave(2) if paired else docs, tokens)
+            return attention(q, k, v, mask, scale).float().sum()
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        rows, heads = (self.tokens, hp.num_heads)
+        if paired:
+            rows, heads = 2 * rows, heads // 2
+        with mode:
+            q, k, v = (
+                torch.empty(rows, heads, hp.head_dim, dtype=torch.bfloat16).requires_grad_()
+                for _ in range(3)
+            )
+            b = self.batch(self.tokens, mode)
+            scale = torch.empty(())
+        return mode, layer, (q, k, v, b.cu_seqlens, plan.window_tensor, scale)
+
     def head_shapes(self):
         """(tokens, dim), (vocab, dim) and dtype of the head's weight, its FP8 scales in
         training."""
@@ -855,6 +969,16 @@ def record_graphs(run, world_sizes=(1, 8)):
             lambda: run.fused_loss_grad(1024),
             lambda p: lower_function(*p),
         ),
+    ]
+    graphs += [
+        Graph(
+            f"FlexAttention's FLASH backend (--flex_backend flash), "
+            f"{'paired ' if paired else ''}layer at {run.tokens:,} tokens "
+            f"(forward+backward)",
+            lambda paired=paired: run.flash_attention(paired),
+            lambda p: lower_and_run(p[1], p[2], p[0]),
+        )
+        for paired in (False, True)
     ]
     polar_sizes = set()
     for world_size in world_sizes:
