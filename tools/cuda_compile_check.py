@@ -325,6 +325,7 @@ def fake_h100():
     import torch._inductor.scheduler as scheduler
     import torch._dynamo.utils as dynamo_utils
     import torch._dynamo.variables.torch as torch_variables
+    import torch.utils._triton as torch_triton_utils
     from torch._dynamo.device_interface import CudaInterface
     from torch._inductor.codegen.triton import TritonScheduling
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
@@ -353,6 +354,13 @@ def fake_h100():
         dynamo_utils.common_constant_types.add(DeviceProperties)
         stack.callback(dynamo_utils.common_constant_types.discard, DeviceProperties)
         patch(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        # dynamo traces TensorDescriptor.from_tensor (#89's TMA kernels) as a descriptor only where
+        # the device has TMA; torch asks torch.cuda.is_available() and caches the answer
+        patch(torch_triton_utils, "_device_supports_tma", lambda: True)
+        for cached in (torch_triton_utils.has_triton_tensor_descriptor_host_tma,
+                       torch_triton_utils.has_triton_experimental_host_tma):
+            cached.cache_clear()
+            stack.callback(cached.cache_clear)
         patch(triton_helpers, "set_driver_to_gpu", lambda: None)
         patch(scheduler, "has_triton", lambda: True)
         patch(CachingAutotuner, "precompile", compile_only)

@@ -311,6 +311,10 @@ class RacingReference(reference_step.Reference):
             tree.body = [n for n in tree.body if not _cuda_kernel_statement(n)]
         module = self._module("triton_kernels", path)
         self._exec(tree, module, path)
+        if hasattr(module, "_dummy_f32"):
+            # made on first use by a global store, which dynamo refuses inside the autograd.Function
+            # it traces (its backward): made now, as an eager call before the compile would
+            module._dummy_f32 = torch.zeros(1, device=self.race_device)
         if self.race_device.type != "cuda":
             module.ce_fwd_bwd_kernel = reference_kernels.ce_fwd_bwd_kernel
         if self.kernel_kind == "torch":
