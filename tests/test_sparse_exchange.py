@@ -129,3 +129,48 @@ def test_sparse_exchange_where_a_rank_touches_at_most_half_the_table_between_ada
     hp = tg.parse_args([])
     assert [w for w in (1, 2, 4, 8) if tg.sparse_bigram_exchange(hp, w)] == [4, 8]
     assert not tg.sparse_bigram_exchange(tg.parse_args(["--bigram_vocab_size", "0"]), 8)
+
+
+def _trainer_worker(rank, world, port, folder, out_dir):
+    """A few training steps of the Trainer (the loader's ids noted each micro-step), sparse and then
+    dense (the rule switched off); the parameters of both."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    argv = ["--preset", "cpu", "--device", "cpu", "--batch_sizes", "512", "512", "512",
+            "--grad_accum_base", "2", "--val_tokens", "1024", "--val_batch_size", "512",
+            "--max_seq_len", "256", "--window_blocks", "2", "2", "2", "--extension_window_blocks",
+            "2", "--final_val_window_blocks", "3", "--num_layers", "9", "--model_dim", "64",
+            "--num_heads", "2", "--head_dim", "32", "--window_block_tokens", "64",
+            "--cpu_threads", "1", "--warmup_steps", "0", "--num_scheduled_iterations", "6",
+            "--num_extension_iterations", "0", "--ngram_prior", "0",
+            "--train_files", f"{folder}/synthetic_train_*.bin",
+            "--val_files", f"{folder}/synthetic_val_*.bin"]
+    params = {}
+    for sparse in (True, False):
+        if not sparse:
+            tg.sparse_bigram_exchange = lambda hp, world_size: False
+        trainer = tg.Trainer(tg.parse_args(argv + ["--log_dir", f"{out_dir}/logs{sparse}"]), argv)
+        try:
+            assert (trainer.adam.sparse is not None) == sparse
+            for step in range(4):  # two Adam steps
+                trainer.train_step(trainer.begin_step(step))
+            params[sparse] = [p.detach().clone() for p in trainer.model.parameters()]
+        finally:
+            trainer.loader.close()
+            dist.destroy_process_group()
+    torch.save(params, f"{out_dir}/params{rank}.pt")
+
+
+@pytest.mark.slow
+def test_training_steps_sparse_equal_dense_on_two_processes(tmp_path):
+    """Through the Trainer (rows noted from the loader): at 2 ranks each sum has 2 terms, whose
+    order does not matter, so every parameter after two Adam steps is the dense run's bit for bit;
+    the bigram table moved."""
+    import synthetic
+    synthetic.markov_corpus(tmp_path / "corpus", train_tokens=60_000, val_tokens=8_192)
+    mp.spawn(_trainer_worker, args=(2, _free_port(), str(tmp_path / "corpus"), str(tmp_path)),
+             nprocs=2, join=True)
+    for rank in range(2):
+        params = torch.load(tmp_path / f"params{rank}.pt")
+        assert all(torch.equal(s, d) for s, d in zip(params[True], params[False]))
+    assert any(p.abs().sum() > 0 and p.shape[0] == 754_560 for p in params[True])
