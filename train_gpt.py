@@ -451,6 +451,7 @@ class TrainLoader:
         self.rank, self.world_size, self.device, self.cycle = rank, world_size, device, cycle
         self.vocab_size = vocab_size  # token ids are checked against it as each shard is read
         self.bigram_rows = bigram_rows  # rows of the model's bigram embedding (0: none)
+        self.bigram_ids = None  # the last micro-step's, on the host (DistAdam's sparse exchange)
         self.piece_counts = np.zeros(3, dtype=np.int64)  # next_pieces': tokens, positions, cut docs
         # one background thread reads the next shard, one indexes BOS positions
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="loader")
@@ -544,6 +545,7 @@ class TrainLoader:
         starts, lengths = pieces[self.rank]
         buf = gather_pieces(self.tokens, starts, lengths)
         bigram_ids = bigram_hash(buf[:-1], self.bigram_rows) if self.bigram_rows else None
+        self.bigram_ids = bigram_ids
         if rank_tokens <= max_piece_tokens:
             return [model_inputs(buf, lengths, self.device, bigram_ids)]
         bounds, cut = pack_documents(cut_lengths(lengths, 0, rank_tokens), max_piece_tokens)
@@ -2372,6 +2374,77 @@ def adam_update_(exp_avg, exp_avg_sq, grad, weight, beta1, beta2, eps, step_size
 ADAM_BUCKET_NUMEL = 1 << 20
 
 
+class SparseRows:
+    """Record #89's sparse reduce-scatter (AVG) of a table whose gradient is nonzero only in rows
+    the host knows (the loader's bigram ids since the last exchange, note()): each rank sends each
+    other rank only the touched rows of that rank's slice (all-to-all of the counts host to host,
+    then of the row numbers and rows on the device: no host-device sync); the owner adds them into
+    its own slice of its gradient and divides by the world size. Per element the dense path's sum
+    of `world` terms in another order; an untouched row is exactly 0 either way."""
+
+    def __init__(self, table, rank, world_size):
+        self.table, self.rank, self.world_size = table, rank, world_size
+        self.rows = -(-table.shape[0] // world_size)  # an owner's slice, padded
+        self.touched = np.zeros(table.shape[0], dtype=bool)
+        cuda = table.device.type == "cuda"
+        self.host_group = dist.new_group(backend="gloo") if cuda else None  # (NCCL: device only)
+        # the row numbers' upload (pinned): the one before was two steps ago, and the host is never
+        # more than one step ahead of the device (train_step's losses are read a step late)
+        self.staging = torch.empty(2 * len(table), dtype=torch.int32, pin_memory=True) \
+            if cuda else None
+
+    def note(self, ids):
+        self.touched[ids] = True
+
+    def exchange_counts(self, sent):
+        """How many rows each rank sends this one, given how many it sends each."""
+        received = torch.empty(self.world_size, dtype=torch.int64)
+        dist.all_to_all_single(received, torch.tensor(sent), group=self.host_group)
+        return received.tolist()
+
+    def start(self, shard):
+        """Start the exchange into `shard`, this rank's slice of the table's (padded) gradient;
+        wait() completes it."""
+        rows = np.flatnonzero(self.touched).astype(np.int32)
+        self.touched[:] = False
+        bounds = np.searchsorted(rows, np.arange(self.world_size + 1) * self.rows)
+        rows = np.delete(rows, np.s_[bounds[self.rank]: bounds[self.rank + 1]])  # in shard already
+        sent = np.diff(bounds)
+        sent[self.rank] = 0
+        sent = sent.tolist()
+        received = self.exchange_counts(sent)
+        # each row's number in the table and in its owner's slice, in one upload
+        ids = torch.from_numpy(np.concatenate([rows, rows % self.rows]))
+        if self.staging is not None:  # (pinned: the copy to the device is asynchronous)
+            ids = self.staging[: ids.numel()].copy_(ids)
+        ids = ids.to(self.table.device, non_blocking=True).view(2, rows.size)
+        n, grad = sum(received), self.table.grad
+        self.shard, self.ids, self.values = shard, ids.new_empty(n), grad.new_empty(n, grad.size(1))
+        self.received = received
+        self.works = [dist.all_to_all_single(self.ids, ids[1], received, sent, async_op=True),
+                      dist.all_to_all_single(self.values, grad[ids[0]], received, sent,
+                                             async_op=True)]
+        return self
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        # one sender at a time: no two adds meet in an element, so the sum's order is fixed
+        for ids, values in zip(self.ids.split(self.received), self.values.split(self.received)):
+            self.shard.index_add_(0, ids, values)
+        self.shard.div_(self.world_size)
+        self.shard = self.ids = self.values = self.works = None
+
+
+def sparse_bigram_exchange(hp, world_size):
+    """Whether DistAdam exchanges the bigram table's gradient sparsely (SparseRows): with several
+    ranks, when the tokens one rank feeds between two Adam steps (two steps at the largest batch),
+    which bound the rows it touches, are at most half the table's rows, so that it sends at most
+    half the dense reduce-scatter's rows. Record #89: 8 ranks of one micro-step each."""
+    tokens = 2 * max(hp.batch_sizes) // world_size
+    return world_size > 1 and 0 < 2 * tokens <= hp.bigram_vocab_size
+
+
 class DistAdam(ScheduledOptimizer):
     """ZeRO-1 Adam: each rank keeps the fp32 moments of its slice of dim 0 of every parameter (a
     first dimension that does not divide by the world size is zero-padded in the communication
@@ -2380,11 +2453,14 @@ class DistAdam(ScheduledOptimizer):
     bucket per dtype (each element reduced as it would be alone). A parameter's own betas (its
     ParamSpec's) replace `betas`. Cautious decay where update x weight > 0. `tie` = (head,
     embedding): until untie(), the embedding's gradient joins the head's, and the embedding is a
-    copy of the updated head."""
+    copy of the updated head. `sparse`: a table whose gradient travels as SparseRows (alone), the
+    rows each micro-step can touch given to note_rows()."""
 
-    def __init__(self, table, lr, betas, eps, weight_decay, tie=None, compile_math=False):
+    def __init__(self, table, lr, betas, eps, weight_decay, tie=None, compile_math=False,
+                 sparse=None):
         """table: [(parameter, ParamSpec)] (GPT.param_table's DistAdam part)."""
         self.rank, self.world_size = world_info()
+        self.sparse = None if sparse is None else SparseRows(sparse, self.rank, self.world_size)
         # the pointwise math compiled (fused) on the GPU, as the reference's is; the per-step
         # factors, and there the betas (float64: 1 - beta as in Python), are 0-dim CPU tensors,
         # so one graph per shape serves every parameter group and step
@@ -2398,6 +2474,16 @@ class DistAdam(ScheduledOptimizer):
                                   eps=eps, weight_decay=weight_decay, lr_mul=spec.lr_mul,
                                   wd_mul=spec.wd_mul, step=0, exp_avg=None, exp_avg_sq=None)
                              for p, spec in table]
+
+    def note_rows(self, ids):
+        """The sparse table's rows (host ids) a micro-step's backward may make nonzero."""
+        if self.sparse is not None and ids is not None:
+            self.sparse.note(ids)
+
+    def zero_grad(self):
+        super().zero_grad()
+        if self.sparse is not None:
+            self.sparse.touched[:] = False
 
     def untie(self):
         """From now on the embedding trains on its own, from the head's weights and Adam state."""
@@ -2420,6 +2506,9 @@ class DistAdam(ScheduledOptimizer):
         rows = t.shape[0] // self.world_size
         return t[self.rank * rows: (self.rank + 1) * rows]
 
+    def _is_sparse(self, p):
+        return self.sparse is not None and p is self.sparse.table
+
     def _units(self):
         """The stepping groups as they communicate: a large parameter alone, and per dtype one
         bucket of the parameters up to ADAM_BUCKET_NUMEL elements, where its first member is (the
@@ -2427,7 +2516,7 @@ class DistAdam(ScheduledOptimizer):
         units, buckets = [], {}
         for group in self._stepping_groups():
             p = group["params"][0]
-            if p.numel() > ADAM_BUCKET_NUMEL:
+            if p.numel() > ADAM_BUCKET_NUMEL or self._is_sparse(p):
                 units.append([group])
             elif p.dtype in buckets:
                 buckets[p.dtype].append(group)
@@ -2443,6 +2532,9 @@ class DistAdam(ScheduledOptimizer):
         params = [group["params"][0] for group in unit]
         if self.world_size == 1:
             return [p.grad for p in params], None
+        if self._is_sparse(params[0]):
+            shard = self._slice(self._padded(params[0].grad))
+            return [shard], self.sparse.start(shard)
         views = [self._padded(p.grad.contiguous()).view(self.world_size, -1) for p in params]
         flat = views[0] if len(views) == 1 else torch.cat(views, dim=1)
         local = flat.new_empty(flat.shape[1])
@@ -2578,9 +2670,10 @@ def make_optimizers(model, hp, backend):
     --matrix_optimizer, with the Backend's Polar Express path, wire dtype and compiled math."""
     matrix_table, adam_table = split_params_for_optimizers(model)
     embed = getattr(model, "embed", None)
+    sparse = model.bigram_embed if sparse_bigram_exchange(hp, world_info()[1]) else None
     adam = DistAdam(adam_table, hp.adam_lr, hp.adam_betas, hp.adam_eps, hp.adam_wd,
                     tie=None if embed is None else (model.lm_head.weight, embed),
-                    compile_math=backend.compile_math)
+                    compile_math=backend.compile_math, sparse=sparse)
     if hp.matrix_optimizer != "normuon":
         return (load_companion("track3.py").make_optimizer(hp.matrix_optimizer, matrix_table, hp),
                 adam)
@@ -2925,7 +3018,9 @@ class Trainer:
         for _ in range(self.accum):
             # the training loss is a sum over tokens (divided by the micro-steps: GPT.loss), so
             # the pieces' losses add up to the micro-step's
-            for batch in self.loader.next_pieces(rank_tokens, plan.max_seq_len, piece_cap(self.hp)):
+            pieces = self.loader.next_pieces(rank_tokens, plan.max_seq_len, piece_cap(self.hp))
+            self.adam.note_rows(self.loader.bigram_ids)
+            for batch in pieces:
                 loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens,
                                     plan.window_tensor, batch.bigram_ids, plan.mtp_weights,
                                     batch.positions, batch.loss_mask)

@@ -897,6 +897,8 @@ class RecordRun:
             model, backend = plan_memory.planned_model(hp, True, tg.grad_accum_steps(hp, world_size))
             matrix_opt, adam = tg.make_optimizers(model, hp, backend._replace(compile_math=True))
             adam.math = recording("DistAdam's update", tg.adam_update_)
+            if adam.sparse is not None:  # (no counts travel on fake tensors; no rows touched)
+                adam.sparse.exchange_counts = lambda sent: sent
             matrix_opt.normalize = recording("NorMuon's normalization", tg.normalize_variance)
             matrix_opt.apply_update = recording("NorMuon's cautious update", tg.cautious_update)
             plan = tg.Schedule(hp).at(1)

@@ -32,6 +32,7 @@ import warnings
 import sys
 import weakref
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -473,16 +474,30 @@ def trace_piece(hp, model, fake, ledger, tokens, plan):
     ledger.phase = "optimizer"
 
 
-def trace_optimizer_step(model, optimizers, plan, ledger, traced=True):
+def trace_optimizer_step(model, optimizers, plan, ledger, traced=True, draws=0):
     """One optimizer step (phase 'optimizer'), every parameter with a gradient as after a backward (the
-    caller unties the embedding at its stage)."""
+    caller unties the embedding at its stage). A sparse bigram exchange sends the rows `draws`
+    bigram ids touch (touch_bigram_rows)."""
     matrix_opt, adam = optimizers
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    if adam.sparse is not None:
+        touch_bigram_rows(adam, draws)
     with ledger if traced else contextlib.nullcontext():
         ledger.phase = "optimizer"
         tg.step_optimizers(plan._replace(unties_after=False), matrix_opt, adam)
+
+
+def touch_bigram_rows(adam, draws):
+    """Note in DistAdam's sparse exchange the rows `draws` bigram ids touch, counted as the
+    reference's are (reference_step.SPARSE_ROWS: uniformly spread hashes, an upper bound), spread
+    evenly over the table; every rank sends this one as many as it sends each (no counts travel on
+    fake tensors)."""
+    rows = adam.sparse.table.shape[0]
+    touched = round(reference_step.SPARSE_ROWS(draws, rows))
+    adam.note_rows(np.unique(np.linspace(0, rows - 1, touched).astype(np.int64)))
+    adam.sparse.exchange_counts = lambda sent: sent
 
 
 @dataclasses.dataclass
@@ -705,7 +720,9 @@ def stage_costs(hp, world_size, peaks, stages=range(4), attention="flex_triton")
                 trace_piece(hp, model, fake, ledger, length, schedule.at(step))
                 totals = cost_of(ledger, ledger.ops[start:], peaks, accum * count * share / (following - first), totals)
                 start = len(ledger.ops)
-                trace_optimizer_step(model, optimizers, schedule.at(step), ledger)
+                # the bigram rows of one rank's tokens since the last Adam step (two steps)
+                trace_optimizer_step(model, optimizers, schedule.at(step), ledger,
+                                     draws=2 * tokens * accum)
                 totals = cost_of(ledger, ledger.ops[start:], peaks, share / (following - first), totals)
             costs.append(StageCost(stage, following - first, tokens * world_size * accum, **totals))
     return costs, ledger
