@@ -15,12 +15,14 @@ shared memory against the H100's limit and ptxas's registers and spills; the las
 graphs, kernels and failures. Exit 1 when a compile fails. See docs/cuda-compile-check.md."""
 
 import argparse
+import collections
 import contextlib
 import csv
 import dataclasses
 import functools
 import io
 import json
+import math
 import os
 import re
 import sys
@@ -265,34 +267,71 @@ def record_kernel_arguments(define_kernel):
     def define(self, src_code, node_schedule, kernel):
         name = define_kernel(self, src_code, node_schedule, kernel)
         with contextlib.suppress(Exception):  # an argument Inductor cannot size: counted as 0
-            LOG.inductor[name] = kernel_traffic(kernel)
+            LOG.inductor[name] = kernel_traffic(kernel, node_schedule)
         return name
 
     return define
 
 
-def kernel_traffic(kernel):
+def kernel_traffic(kernel, node_schedule=()):
+    """(bytes read, bytes written, iteration ranges) of a kernel: of each buffer among its tensor
+    arguments, the elements its accesses touch (Inductor's dependencies: one access per distinct
+    index, at most the kernel's iteration space, at most the buffer), so that a kernel reading one
+    chunk of a larger buffer counts the chunk. A looped reduction loads again in each loop over its
+    rows (a loop that uses the reduction's result is a loop of its own), so its reads are counted
+    per loop; a buffer without a dependency Inductor can size counts whole."""
     from torch._inductor.virtualized import V
 
-    def size(name):
-        return (
-            int(V.graph.sizevars.optimization_hint(V.graph.get_numel(name)))
-            * V.graph.get_dtype(name).itemsize
-        )
+    def hint(expr):
+        return int(V.graph.sizevars.optimization_hint(expr))
 
+    numels = {prefix: hint(n) for prefix, n in getattr(kernel, "numels", {}).items()}
+    iterations = math.prod(numels.values()) if numels else math.inf  # a template: not capped
     args = kernel.args
     inplace = {name for name in args.inplace_buffers if not name.startswith("REMOVED")}
-    reads = sum(size(n) for n in args.input_buffers) + sum(size(n) for n in inplace)
-    writes = sum(
-        size(n)
-        for n in args.output_buffers
-        if not str(args.output_buffers[n]).startswith("REMOVED")
-    )
-    writes += sum(size(n) for n in inplace)
-    numels = {
-        prefix: int(V.graph.sizevars.optimization_hint(n)) for prefix, n in kernel.numels.items()
+    read_args = set(args.input_buffers) | inplace
+    written_args = inplace | {
+        n for n in args.output_buffers if not str(args.output_buffers[n]).startswith("REMOVED")
     }
-    return reads, writes, numels
+    features = getattr(kernel, "features", None)
+    looped = features is not None and features.is_reduction() and not kernel.persistent_reduction
+    reads = accesses_by_buffer(node_schedule, "reads", read_args, looped)
+    writes = accesses_by_buffer(node_schedule, "writes", written_args, False)
+
+    def touched(buffers, names):
+        total = 0
+        for name in names:
+            numel = hint(V.graph.get_numel(name))
+            loops = buffers.get(name) or [[None]]
+            elements = sum(
+                min(numel, sum(numel if d is None else min(hint(d.get_numel()), iterations)
+                               for d in loop))
+                for loop in loops
+            )
+            total += elements * V.graph.get_dtype(name).itemsize
+        return total
+
+    return touched(reads, read_args), touched(writes, written_args), numels
+
+
+def accesses_by_buffer(node_schedule, kind, names, looped):
+    """{buffer: [[distinct dependency of one loop, ...] per loop]} of the nodes' `kind` ('reads' or
+    'writes') of `names`; one loop unless `looped`, where a reduction-closing marker starts the
+    next. A dependency without an index (a StarDep) counts as None, the whole buffer."""
+    from torch._inductor.dependencies import MemoryDep
+
+    loops, loop = collections.defaultdict(dict), 0
+    for node in node_schedule:
+        if not hasattr(node, "read_writes"):  # a marker between a reduction and its users
+            loop += looped
+            continue
+        for dep in getattr(node.read_writes, kind):
+            if dep.name in names:
+                key = dep.index if isinstance(dep, MemoryDep) else id(dep)
+                loops[dep.name].setdefault(loop, {})[key] = (
+                    dep if isinstance(dep, MemoryDep) else None
+                )
+    return {name: [list(d.values()) for d in by_loop.values()] for name, by_loop in loops.items()}
 
 
 def capture_ptxas(make_cubin):
