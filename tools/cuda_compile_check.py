@@ -114,14 +114,13 @@ class Kernel:
     graph: str
     name: str
     binaries: list
-    reads: int = (
-        0  # bytes its tensor arguments read at these shapes (Inductor's buffers; 0 if unknown)
-    )
+    reads: int = 0  # bytes it reads at these shapes (kernel_traffic; 0 if unknown)
     writes: int = 0
     numels: dict = dataclasses.field(
         default_factory=dict
     )  # its iteration ranges, as Inductor names them
     grid: tuple = ()  # of its first configuration
+    launches: int = 1  # calls of it in its graph's generated code (one kernel serves identical ones)
 
     def over_limit(self):
         return all(b.shared > H100_SMEM for b in self.binaries)
@@ -147,11 +146,23 @@ class KernelLog:
         self.kernels = []
         self.ptxas = []  # (registers, spill bytes) of each cubin, in compile order
         self.inductor = {}  # kernel name -> (reads, writes, numels) of the graph being lowered
+        self.wrapper, self.launches = None, collections.Counter()  # Inductor graph: calls per name
         self.compiling = None  # the kernel being compiled now (named in a failure)
 
     def add(self, name, binaries, grid=()):
         reads, writes, numels = self.inductor.get(name, (0, 0, {}))
-        self.kernels.append(Kernel(self.graph, name, binaries, reads, writes, numels, grid))
+        launches = self.launches.get(name, 1)
+        self.kernels.append(Kernel(self.graph, name, binaries, reads, writes, numels, grid, launches))
+
+    def count_launch(self, name):
+        """One call of kernel `name` in the generated code of the Inductor graph being lowered
+        (Inductor defines a kernel once and calls it wherever its source recurs, e.g. per layer);
+        a graph's kernels are compiled after all of its code is generated."""
+        from torch._inductor.virtualized import V
+
+        if self.wrapper is not V.graph.wrapper_code:
+            self.wrapper, self.launches = V.graph.wrapper_code, collections.Counter()
+        self.launches[name] += 1
 
     def of(self, graph):
         return [k for k in self.kernels if k.graph == graph]
@@ -261,11 +272,13 @@ def _grid_helpers():
 
 
 def record_kernel_arguments(define_kernel):
-    """TritonScheduling.define_kernel, also noting the bytes the kernel's tensor arguments read and
-    write (whole buffers, Inductor's sizes) and its iteration ranges."""
+    """TritonScheduling.define_kernel, also noting the bytes the kernel reads and writes
+    (kernel_traffic), its iteration ranges and one more call of it (called once per kernel the
+    generated code calls, an identical source returning the name defined first)."""
 
     def define(self, src_code, node_schedule, kernel):
         name = define_kernel(self, src_code, node_schedule, kernel)
+        LOG.count_launch(name)
         with contextlib.suppress(Exception):  # an argument Inductor cannot size: counted as 0
             LOG.inductor[name] = kernel_traffic(kernel, node_schedule)
         return name
@@ -1256,6 +1269,7 @@ INVENTORY_COLUMNS = (
     "read_bytes",
     "written_bytes",
     "grid",
+    "launches",
     "configs",
     "shared_bytes",
     "registers",
@@ -1264,10 +1278,10 @@ INVENTORY_COLUMNS = (
 
 
 def inventory_rows(kernels):
-    """One row per compiled kernel (INVENTORY_COLUMNS): bytes its tensor arguments read and write at
-    these shapes (whole buffers), the grid of its first configuration ("" when not derived:
-    templates, Polar Express), and the largest shared memory, registers and spills over its
-    configurations."""
+    """One row per compiled kernel (INVENTORY_COLUMNS): bytes it reads and writes at these shapes
+    (kernel_traffic, per call), the grid of its first configuration ("" when not derived:
+    templates, Polar Express), its calls in one run of its graph, and the largest shared memory,
+    registers and spills over its configurations."""
     return [
         dict(
             graph=k.graph,
@@ -1275,6 +1289,7 @@ def inventory_rows(kernels):
             read_bytes=k.reads,
             written_bytes=k.writes,
             grid="x".join(map(str, k.grid)),
+            launches=k.launches,
             configs=len(k.binaries),
             shared_bytes=max(b.shared for b in k.binaries),
             registers=max(b.registers for b in k.binaries),

@@ -1,6 +1,7 @@
 """Step-cost ledger: where the time of one training step goes on a GPU, predicted without one.
 
     python tools/step_cost.py [train_gpt flags] [--world_size N] [--gpu h100|h200] [--reference LOG]
+                              [--kernels INVENTORY]
 
 For each stage of the run it traces one training step of rank 0 of N ranks (the forward and backward of
 every micro-step piece, then the optimizer step) on fake tensors, the way train_gpt.py's memory plan does:
@@ -14,6 +15,8 @@ FLOPs come from torch.utils.flop_counter (FlopCounterMode's formulas, one for th
 visible 128 x 128 block); bytes from the storages the ops read and write (the memory plan's live-storage
 tracer). Ideal fusion: a tensor made by a pointwise/reduction op, read only by such ops and dead within the
 same phase (forward, backward, optimizer) never reaches memory; the ops joined by such tensors are one kernel.
+With --kernels (the CUDA compile check's kernel inventory) ours' forward and backward are priced by the
+kernels Inductor really generated instead: their count for the launch floor, their bytes read and written.
 Each op costs its roofline time, max(FLOPs / peak of its class, bytes / HBM bandwidth), with what a
 roofline misses (attention at its backend's efficiency, GEMM waves over the SMs, a looped reduction's
 second pass, special functions, a hand-written kernel's occupancy), and each kernel at least the
@@ -454,7 +457,7 @@ class Ledger(LiveMemory):
 
 TRAINING_GRAPH = re.compile(r"training step at ([\d,]+) tokens")
 HELPER_GRAPHS = {"mm_fp8": "FP8 head forward helper", "mm_fp8_backward": "FP8 head backward helper"}
-INVENTORY_COLUMNS = ("graph", "kernel", "read_bytes", "written_bytes")
+INVENTORY_COLUMNS = ("graph", "kernel", "read_bytes", "written_bytes", "launches")
 TEMPLATE_PREFIX = "triton_tem_"  # FlexAttention's templates: the ledger prices attention by backend
 COMPILED = "pointwise/reduction"  # the class whose work Inductor's Triton kernels do
 MAKE_INVENTORY = ("make one with ~/.cache/speedrun/venv-torch-2.11/bin/python "
@@ -468,8 +471,8 @@ class InventoryError(ValueError):
 @dataclasses.dataclass
 class RealKernels:
     """Inductor's kernels of our training step (the CUDA compile check's inventory): (name, bytes
-    read + written) of the training graph's kernels but its attention templates, and of each FP8
-    head helper's, by the custom op whose call runs it."""
+    read + written per call, calls per run of its graph) of the training graph's kernels but its
+    attention templates, and of each FP8 head helper's, by the custom op whose call runs it."""
     path: str
     tokens: int  # the training graph's tokens per micro-step
     training: list
@@ -477,7 +480,8 @@ class RealKernels:
     templates: int
 
     def of_piece(self, ledger, ops):
-        """(name, bytes) of the kernels one traced piece (`ops`, its slice of ledger.ops) runs."""
+        """(name, bytes, calls) of the kernels one traced piece (`ops`, its slice of ledger.ops)
+        runs."""
         first, end = ops[0].index, ops[-1].index + 1
         kernels = list(self.training)
         for index, op in ledger.calls:
@@ -486,9 +490,10 @@ class RealKernels:
         return kernels
 
     def describe(self):
-        return (f"Inductor's {len(self.training) + self.templates} kernels of the training step at "
-                f"{self.tokens:,} tokens ({self.templates} attention templates priced by backend), "
-                f"from {self.path}")
+        calls = sum(launches for _, _, launches in self.training)
+        return (f"Inductor's kernels of the training step at {self.tokens:,} tokens from {self.path} "
+                f"({len(self.training)} kernels, {calls} calls; {self.templates} attention "
+                "templates, priced by backend)")
 
 
 def inventory_rows(path):
@@ -523,20 +528,20 @@ def read_inventory(path):
             raise InventoryError(f"kernel row {number} has no {', '.join(missing)}")
         graph, name = str(row["graph"]), str(row["kernel"])
         try:
-            size = int(row["read_bytes"]) + int(row["written_bytes"])
+            kernel = (name, int(row["read_bytes"]) + int(row["written_bytes"]), int(row["launches"]))
         except (TypeError, ValueError):
-            raise InventoryError(f"kernel row {number} ({name}): read_bytes and written_bytes "
-                                 "are not whole numbers") from None
+            raise InventoryError(f"kernel row {number} ({name}): read_bytes, written_bytes and "
+                                 "launches are not whole numbers") from None
         match = TRAINING_GRAPH.match(graph)
         if match:
             tokens.add(int(match.group(1).replace(",", "")))
             if name.startswith(TEMPLATE_PREFIX):
                 templates += 1
             else:
-                training.append((name, size))
+                training.append(kernel)
         for op, helper in HELPER_GRAPHS.items():
             if graph.startswith(helper):
-                helpers[op].append((name, size))
+                helpers[op].append(kernel)
     if not training:
         raise InventoryError("no kernels of the training step (a graph 'training step at N "
                              "tokens')")
@@ -730,7 +735,7 @@ def kernel_extra_seconds(ledger, kernel, peaks, roofline):
 def cost_of(ledger, ops, peaks, weight=1.0, into=None, real=None):
     """Accumulate ops' FLOPs, bytes and seconds (times `weight`) into a dict of totals: each op its roofline
     time, each kernel (kernels_of) at least the launch floor, each collective NCCL's latency + NVLink time.
-    With `real` ([(name, bytes)]: Inductor's kernels of these ops' forward and backward), those kernels do
+    With `real` ([(name, bytes, calls)]: Inductor's kernels of these ops' forward and backward), those do
     the forward's and backward's pointwise/reduction work instead of ideal fusion's: their bytes at HBM
     bandwidth, each at least the launch floor; only the ideal kernels' special functions stay."""
     totals = into or dict(flops=collections.Counter(), bytes=collections.Counter(), seconds=collections.Counter(),
@@ -788,15 +793,16 @@ def cost_of(ledger, ops, peaks, weight=1.0, into=None, real=None):
             totals["top"][first.phase, first.kind, first.name, first.shape] += weight * short
             if first.phase == "optimizer":
                 totals["optimizer_compute"] += weight * short
-    for name, size in real or ():
+    for name, size, calls in real or ():
         memory = size / peaks["hbm"]
         short = max(0.0, peaks["launch"] - memory)
-        totals["kernels"] += weight
-        totals["memory"] += weight * memory
-        totals["launch"] += weight * short
-        totals["bytes"][COMPILED] += weight * size
-        totals["seconds"][COMPILED] += weight * (memory + short)
-        totals["top"]["fwd+bwd", COMPILED, "kernel", name[:KERNEL_NAME_CHARS]] += weight * (memory + short)
+        times = weight * calls
+        totals["kernels"] += times
+        totals["memory"] += times * memory
+        totals["launch"] += times * short
+        totals["bytes"][COMPILED] += times * size
+        totals["seconds"][COMPILED] += times * (memory + short)
+        totals["top"]["fwd+bwd", COMPILED, "kernel", name[:KERNEL_NAME_CHARS]] += times * (memory + short)
     return totals
 
 
