@@ -126,7 +126,9 @@ def compile_cases():
                     "case": name,
                     "failure": failure,
                     "kernels": len(check.LOG.of(name)),
-                    "traffic": [(k.name, k.reads, k.writes, k.launches) for k in check.LOG.of(name)],
+                    "traffic": [
+                        (k.name, k.reads, k.writes, k.launches) for k in check.LOG.of(name)
+                    ],
                 }
             ),
             flush=True,
@@ -191,8 +193,8 @@ def test_a_looped_reduction_reads_its_rows_once_per_loop(outcomes):
 
 @needs_gpu_image
 def test_a_kernel_called_for_each_recurring_source_counts_its_calls(outcomes):
-    """Inductor defines a kernel once and calls it wherever its source recurs: four layers' pointwise
-    kernels are 2 kernels (the first reads the input), 1 + 3 calls."""
+    """Inductor defines a kernel once and calls it wherever its source recurs: four layers'
+    pointwise kernels are 2 kernels (the first reads the input), 1 + 3 calls."""
     launches = [k[3] for k in outcomes["layers"]["traffic"]]
     assert launches == [1, 3], outcomes["layers"]["traffic"]
 

@@ -616,7 +616,7 @@ def inventory(tmp_path, tokens=512, training=(("triton_poi_fused_add_0", 100, 50
     if suffix == ".csv":
         import csv
         with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, ["graph", "kernel", "read_bytes", "written_bytes", "launches"])
+            writer = csv.DictWriter(f, list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
     else:
@@ -627,9 +627,9 @@ def inventory(tmp_path, tokens=512, training=(("triton_poi_fused_add_0", 100, 50
 
 @pytest.mark.parametrize("count, calls", [(0, 1), (1, 1), (5, 1), (2, 11)])
 def test_launch_floor_follows_the_inventorys_kernel_count(count, calls):
-    """With Inductor's kernels given, the forward's pointwise chain is priced by them: a launch floor of 1 s
-    per call, so the step is the matmul's kernel plus `count` real ones called `calls` times each, and the
-    pointwise bytes are the inventory's (1,000 bytes a call), not the chain's."""
+    """With Inductor's kernels given, the forward's pointwise chain is priced by them: a launch
+    floor of 1 s per call, so the step is the matmul's kernel plus `count` real ones called `calls` times
+    each, and the pointwise bytes are the inventory's (1,000 bytes a call), not the chain's."""
     peaks = dict(H100, launch=1.0)
     ops, ledger = traced_ops(lambda a, w: ((a + 1) * 2) @ w, ((256, 64), F32), ((64, 64), F32))
     real = [(f"triton_poi_fused_{i}", 1000, calls) for i in range(count)]
@@ -652,8 +652,9 @@ def test_real_kernels_cost_their_bytes():
 
 @pytest.mark.parametrize("suffix", [".json", ".csv"])
 def test_inventory_reads_the_training_step_and_the_fp8_helpers(tmp_path, suffix):
-    """The training graph's kernels but its attention template, its tokens, and each FP8 helper's kernels
-    under the custom op whose call runs them; a piece runs the helpers as often as the trace called them."""
+    """The training graph's kernels but its attention template, its tokens, and each FP8 helper's
+    kernels under the custom op whose call runs them; a piece runs the helpers as often as the trace
+    called them."""
     helpers = [("FP8 head forward helper at 512 tokens", "triton_poi_fused_div_0", 30, 20, 1),
                ("FP8 head backward helper at 512 tokens", "triton_poi_fused_div_1", 3, 2, 1),
                ("DistAdam's update at (8,), 1 rank(s)", "triton_poi_fused_adam_0", 9, 9, 1)]
@@ -671,8 +672,8 @@ def test_inventory_reads_the_training_step_and_the_fp8_helpers(tmp_path, suffix)
 def test_a_stage_of_another_size_says_it_is_priced_by_ideal_fusion(tmp_path):
     kernels = sc.read_inventory(inventory(tmp_path, 49152))
     assert sc.piece_pricing(kernels, 49152) == "Inductor's kernels"
-    assert sc.piece_pricing(kernels, 16384).startswith("ideal fusion: the inventory's training step has "
-                                                       "49,152 tokens, these pieces 16,384")
+    assert sc.piece_pricing(kernels, 16384) == ("ideal fusion: the inventory's training step has "
+                                                "49,152 tokens, these pieces 16,384")
     assert sc.piece_pricing(None, 16384) == "ideal fusion"
 
 
@@ -683,7 +684,8 @@ def test_a_stage_of_another_size_says_it_is_priced_by_ideal_fusion(tmp_path):
     (lambda p: p.write_text('{"kernels": [{"graph": "training step at 8 tokens", "kernel": "k"}]}'),
      "kernel row 1 has no read_bytes, written_bytes, launches"),
     (lambda p: p.write_text('{"kernels": [{"graph": "training step at 8 tokens", "kernel": "k", '
-                            '"read_bytes": "many", "written_bytes": 1, "launches": 1}]}'), "not whole numbers"),
+                            '"read_bytes": "many", "written_bytes": 1, "launches": 1}]}'),
+     "not whole numbers"),
     (lambda p: p.write_text('{"kernels": [{"graph": "FP8 head forward helper", "kernel": "k", '
                             '"read_bytes": 1, "written_bytes": 1, "launches": 1}]}'),
      "no kernels of the training step"),
@@ -699,9 +701,10 @@ def test_a_missing_or_garbled_inventory_is_one_line(capsys, tmp_path, write, say
 
 @pytest.mark.slow
 def test_a_stage_of_the_inventorys_size_is_priced_by_its_kernels():
-    """A tiny run's first stage: with an inventory at another size it is priced by ideal fusion and says why;
-    at its pieces' size the forward's and backward's pointwise work is the inventory's one kernel, called 3
-    times a piece at 1 MB a call, at every piece of the step (accumulation steps x pieces)."""
+    """A tiny run's first stage: with an inventory at another size it is priced by ideal fusion and
+    says why; at its pieces' size the forward's and backward's pointwise work is the inventory's one
+    kernel, called 3 times a piece at 1 MB a call, at every piece of the step (accumulation steps x
+    pieces)."""
     hp = tiny_hp()
     elsewhere = sc.RealKernels("inventory.json", 1, [("triton_poi_fused_0", 10**6, 3)], {}, 0)
     (ideal,), _ = sc.stage_costs(hp, 1, H100, stages=[0], kernels=elsewhere)

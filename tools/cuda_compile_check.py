@@ -120,7 +120,7 @@ class Kernel:
         default_factory=dict
     )  # its iteration ranges, as Inductor names them
     grid: tuple = ()  # of its first configuration
-    launches: int = 1  # calls of it in its graph's generated code (one kernel serves identical ones)
+    launches: int = 1  # calls in its graph's generated code (one kernel serves identical sources)
 
     def over_limit(self):
         return all(b.shared > H100_SMEM for b in self.binaries)
@@ -152,7 +152,9 @@ class KernelLog:
     def add(self, name, binaries, grid=()):
         reads, writes, numels = self.inductor.get(name, (0, 0, {}))
         launches = self.launches.get(name, 1)
-        self.kernels.append(Kernel(self.graph, name, binaries, reads, writes, numels, grid, launches))
+        self.kernels.append(
+            Kernel(self.graph, name, binaries, reads, writes, numels, grid, launches)
+        )
 
     def count_launch(self, name):
         """One call of kernel `name` in the generated code of the Inductor graph being lowered
@@ -287,12 +289,11 @@ def record_kernel_arguments(define_kernel):
 
 
 def kernel_traffic(kernel, node_schedule=()):
-    """(bytes read, bytes written, iteration ranges) of a kernel: of each buffer among its tensor
-    arguments, the elements its accesses touch (Inductor's dependencies: one access per distinct
-    index, at most the kernel's iteration space, at most the buffer), so that a kernel reading one
-    chunk of a larger buffer counts the chunk. A looped reduction loads again in each loop over its
-    rows (a loop that uses the reduction's result is a loop of its own), so its reads are counted
-    per loop; a buffer without a dependency Inductor can size counts whole."""
+    """(bytes read, bytes written, iteration ranges) of a kernel, from Inductor's dependencies of its
+    nodes (accesses_by_buffer): of each buffer among its arguments, the elements its distinct
+    accesses touch, each access at most the kernel's iteration space and the buffer at most whole,
+    so that a kernel on one chunk of a larger buffer counts the chunk. A buffer without a dependency
+    Inductor can size counts whole."""
     from torch._inductor.virtualized import V
 
     def hint(expr):
@@ -301,50 +302,71 @@ def kernel_traffic(kernel, node_schedule=()):
     numels = {prefix: hint(n) for prefix, n in getattr(kernel, "numels", {}).items()}
     iterations = math.prod(numels.values()) if numels else math.inf  # a template: not capped
     args = kernel.args
-    inplace = {name for name in args.inplace_buffers if not name.startswith("REMOVED")}
-    read_args = set(args.input_buffers) | inplace
-    written_args = inplace | {
-        n for n in args.output_buffers if not str(args.output_buffers[n]).startswith("REMOVED")
+    removed = {  # fused away: never stored (in place ones too), read from registers
+        name
+        for owner in (kernel, V.graph)
+        for field in ("removed_buffers", "inplaced_to_remove")
+        for name in getattr(owner, field, ())
     }
+    names = {
+        n
+        for n, inner in (*args.input_buffers.items(), *args.output_buffers.items())
+        if not str(inner).startswith("REMOVED")
+    } | {n for n in args.inplace_buffers if not n.startswith("REMOVED")}
+    names -= removed
     features = getattr(kernel, "features", None)
     looped = features is not None and features.is_reduction() and not kernel.persistent_reduction
-    reads = accesses_by_buffer(node_schedule, "reads", read_args, looped)
-    writes = accesses_by_buffer(node_schedule, "writes", written_args, False)
+    reads, writes = accesses_by_buffer(node_schedule, names, looped)
 
-    def touched(buffers, names):
+    def elements(dep, numel):
+        if dep is None:  # no index: the whole buffer
+            return numel
+        if dep.is_indirect():  # a gather: an element per point of its node's ranges
+            return min(math.prod(hint(n) for n in dep.size), numel)
+        return min(hint(dep.get_numel()), iterations)
+
+    def touched(accesses):
         total = 0
-        for name in names:
+        for name, loops in accesses.items():
             numel = hint(V.graph.get_numel(name))
-            loops = buffers.get(name) or [[None]]
-            elements = sum(
-                min(numel, sum(numel if d is None else min(hint(d.get_numel()), iterations)
-                               for d in loop))
-                for loop in loops
+            total += V.graph.get_dtype(name).itemsize * sum(
+                min(numel, sum(elements(dep, numel) for dep in loop)) for loop in loops
             )
-            total += elements * V.graph.get_dtype(name).itemsize
         return total
 
-    return touched(reads, read_args), touched(writes, written_args), numels
+    untouched = {n: [[None]] for n in names if n not in reads and n not in writes}
+    return touched({**reads, **untouched}), touched(writes), numels
 
 
-def accesses_by_buffer(node_schedule, kind, names, looped):
-    """{buffer: [[distinct dependency of one loop, ...] per loop]} of the nodes' `kind` ('reads' or
-    'writes') of `names`; one loop unless `looped`, where a reduction-closing marker starts the
-    next. A dependency without an index (a StarDep) counts as None, the whole buffer."""
+def accesses_by_buffer(node_schedule, names, looped):
+    """({buffer: [[distinct access of one loop, ...] per loop]} read, the same written) of the
+    kernel's buffers `names` by its nodes: a read of what a node of the same loop wrote before is
+    from registers, not memory. One loop unless `looped` (a reduction that is not persistent: it
+    loads its rows again in each loop over them, and a reduction's result is used in a loop of its
+    own), where a marker between a reduction and its users starts the next loop. An access without
+    an index (a StarDep) is None, the whole buffer."""
     from torch._inductor.dependencies import MemoryDep
 
-    loops, loop = collections.defaultdict(dict), 0
+    reads, writes = collections.defaultdict(dict), collections.defaultdict(dict)
+    loop, written = 0, set()
     for node in node_schedule:
-        if not hasattr(node, "read_writes"):  # a marker between a reduction and its users
-            loop += looped
+        if not hasattr(node, "read_writes"):  # a marker
+            if looped:
+                loop, written = loop + 1, set()
             continue
-        for dep in getattr(node.read_writes, kind):
-            if dep.name in names:
+        for kind, accesses in (("reads", reads), ("writes", writes)):
+            for dep in getattr(node.read_writes, kind):
+                if dep.name not in names or kind == "reads" and dep.name in written:
+                    continue
                 key = dep.index if isinstance(dep, MemoryDep) else id(dep)
-                loops[dep.name].setdefault(loop, {})[key] = (
-                    dep if isinstance(dep, MemoryDep) else None
-                )
-    return {name: [list(d.values()) for d in by_loop.values()] for name, by_loop in loops.items()}
+                value = dep if isinstance(dep, MemoryDep) else None
+                accesses[dep.name].setdefault(loop, {})[key] = value
+        written |= {dep.name for dep in node.read_writes.writes}
+
+    def listed(accesses):
+        return {name: [list(d.values()) for d in by_loop.values()] for name, by_loop in accesses.items()}
+
+    return listed(reads), listed(writes)
 
 
 def capture_ptxas(make_cubin):

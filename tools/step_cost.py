@@ -15,8 +15,9 @@ FLOPs come from torch.utils.flop_counter (FlopCounterMode's formulas, one for th
 visible 128 x 128 block); bytes from the storages the ops read and write (the memory plan's live-storage
 tracer). Ideal fusion: a tensor made by a pointwise/reduction op, read only by such ops and dead within the
 same phase (forward, backward, optimizer) never reaches memory; the ops joined by such tensors are one kernel.
-With --kernels (the CUDA compile check's kernel inventory) ours' forward and backward are priced by the
-kernels Inductor really generated instead: their count for the launch floor, their bytes read and written.
+With --kernels (the CUDA compile check's kernel inventory) ours' forward and backward are priced
+by the kernels Inductor really generated instead: their calls for the launch floor, their bytes
+read and written.
 Each op costs its roofline time, max(FLOPs / peak of its class, bytes / HBM bandwidth), with what a
 roofline misses (attention at its backend's efficiency, GEMM waves over the SMs, a looped reduction's
 second pass, special functions, a hand-written kernel's occupancy), and each kernel at least the
@@ -491,7 +492,8 @@ class RealKernels:
 
     def describe(self):
         calls = sum(launches for _, _, launches in self.training)
-        return (f"Inductor's kernels of the training step at {self.tokens:,} tokens from {self.path} "
+        return (f"Inductor's kernels of the training step at {self.tokens:,} tokens from "
+                f"{self.path} "
                 f"({len(self.training)} kernels, {calls} calls; {self.templates} attention "
                 "templates, priced by backend)")
 
@@ -528,7 +530,8 @@ def read_inventory(path):
             raise InventoryError(f"kernel row {number} has no {', '.join(missing)}")
         graph, name = str(row["graph"]), str(row["kernel"])
         try:
-            kernel = (name, int(row["read_bytes"]) + int(row["written_bytes"]), int(row["launches"]))
+            size = int(row["read_bytes"]) + int(row["written_bytes"])
+            kernel = (name, size, int(row["launches"]))
         except (TypeError, ValueError):
             raise InventoryError(f"kernel row {number} ({name}): read_bytes, written_bytes and "
                                  "launches are not whole numbers") from None
@@ -734,10 +737,11 @@ def kernel_extra_seconds(ledger, kernel, peaks, roofline):
 
 def cost_of(ledger, ops, peaks, weight=1.0, into=None, real=None):
     """Accumulate ops' FLOPs, bytes and seconds (times `weight`) into a dict of totals: each op its roofline
-    time, each kernel (kernels_of) at least the launch floor, each collective NCCL's latency + NVLink time.
-    With `real` ([(name, bytes, calls)]: Inductor's kernels of these ops' forward and backward), those do
-    the forward's and backward's pointwise/reduction work instead of ideal fusion's: their bytes at HBM
-    bandwidth, each at least the launch floor; only the ideal kernels' special functions stay."""
+    time, each kernel (kernels_of) at least the launch floor, each collective NCCL's latency +
+    NVLink time. With `real` ([(name, bytes, calls)]: Inductor's kernels of these ops' forward and
+    backward), those do the forward's and backward's pointwise/reduction work instead of ideal
+    fusion's: their bytes at HBM bandwidth, each call at least the launch floor; only the ideal
+    kernels' special functions stay."""
     totals = into or dict(flops=collections.Counter(), bytes=collections.Counter(), seconds=collections.Counter(),
                           compute=0.0, memory=0.0, launch=0.0, comm=0.0, optimizer_compute=0.0, kernels=0.0,
                           collectives=0.0, latency=0.0, top=collections.Counter(), ops=[])
@@ -802,7 +806,8 @@ def cost_of(ledger, ops, peaks, weight=1.0, into=None, real=None):
         totals["launch"] += times * short
         totals["bytes"][COMPILED] += times * size
         totals["seconds"][COMPILED] += times * (memory + short)
-        totals["top"]["fwd+bwd", COMPILED, "kernel", name[:KERNEL_NAME_CHARS]] += times * (memory + short)
+        item = "fwd+bwd", COMPILED, "kernel", name[:KERNEL_NAME_CHARS]
+        totals["top"][item] += times * (memory + short)
     return totals
 
 
@@ -810,7 +815,7 @@ KERNEL_NAME_CHARS = 60  # an item per kernel name's start: the loss's chunk kern
 
 
 def compiled_work(op):
-    """Work of the forward and backward that Inductor's Triton kernels do (the real kernels' share)."""
+    """Work of the forward and backward that Inductor's Triton kernels do (the real kernels')."""
     return op.kind == COMPILED and op.phase in ("forward", "backward")
 
 
@@ -852,8 +857,8 @@ def stage_costs(hp, world_size, peaks, stages=range(4), attention="flex_triton",
                 trace_piece(hp, model, fake, ledger, length, schedule.at(step))
                 piece = ledger.ops[start:]
                 real = kernels.of_piece(ledger, piece) if pricing.startswith("Inductor") else None
-                totals = cost_of(ledger, piece, peaks, accum * count * share / (following - first), totals,
-                                 real)
+                weight = accum * count * share / (following - first)
+                totals = cost_of(ledger, piece, peaks, weight, totals, real)
                 start = len(ledger.ops)
                 trace_optimizer_step(model, optimizers, schedule.at(step), ledger)
                 totals = cost_of(ledger, ledger.ops[start:], peaks, share / (following - first), totals)
@@ -1085,8 +1090,9 @@ def parse(argv):
     parser.add_argument("--reference", metavar="LOG", default=None,
                         help="a modded-nanogpt record log: trace its own step too and print both side by side")
     parser.add_argument("--kernels", metavar="FILE", default=None,
-                        help="the CUDA compile check's kernel inventory (tools/cuda_compile_check.py "
-                             "--inventory FILE): price ours by Inductor's real kernels, not ideal fusion")
+                        help="the CUDA compile check's kernel inventory "
+                             "(tools/cuda_compile_check.py --inventory FILE): price ours by "
+                             "Inductor's real kernels, not ideal fusion")
     args, rest = parser.parse_known_args(argv)
     if args.world_size is None:
         args.world_size = default_world_size(parser)
