@@ -2,8 +2,10 @@
 Inductor's lowering of _scaled_mm with a tensorwise scale that is a view into a per-layer buffer
 (fixed in 29f5d6a by a scale of its own), and Triton 3.6's float8 NaN constant, which Inductor
 inlines for an uninitialized (new_empty) e5m2 buffer written in part (fixed in 2a7de79 by
-new_zeros). Each small graph fails, and its fixed form compiles for sm_90. Only with the GPU image's
-versions (CI's torch 2.11 leg): the check leans on their private APIs."""
+new_zeros). Each small graph fails, and its fixed form compiles for sm_90. The inventory's bytes are
+what a kernel touches: a chunk of a buffer, not the buffer; a looped reduction's rows once per loop;
+a kernel called for each recurring source counts its calls.
+Only with the GPU image's versions (CI's torch 2.11 leg): the check leans on their private APIs."""
 
 import csv
 import importlib.metadata
@@ -58,11 +60,32 @@ def meta(*shape, dtype=torch.bfloat16):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
+def chunk_of_a_buffer(x, _):
+    """A pointwise kernel on rows 256-511 of a (1024, 512) buffer (a chunk, as the loss's)."""
+    return x[256:512] * 2
+
+
+def spread_logsumexp(x, _):
+    """x - logsumexp(x) over rows of 4,096: a looped reduction, its result spread back over the rows
+    (the loss's lse pass, then its gradient pass)."""
+    return x - torch.logsumexp(x.float(), -1, keepdim=True)
+
+
+def four_layers(a, w, _):
+    """Four times (sin(a) * 2) @ w: the last three pointwise kernels have one source."""
+    for _ in range(4):
+        a = (a.sin() * 2) @ w
+    return a
+
+
 CASES = {
     "view scales": (scaled_mm_with_buffer_scales, False),
     "own scales": (scaled_mm_with_buffer_scales, True),
     "new_empty": (e5m2_buffer_written_in_part, False),
     "new_zeros": (e5m2_buffer_written_in_part, True),
+    "chunk": (chunk_of_a_buffer, None),
+    "spread": (spread_logsumexp, None),
+    "layers": (four_layers, None),
 }
 
 
@@ -74,6 +97,12 @@ def case_args(fn):
             meta(LAYERS, dtype=torch.float32),
             meta(LAYERS, dtype=torch.float32),
         )
+    if fn is four_layers:
+        return (meta(256, 256), meta(256, 256))
+    if fn is chunk_of_a_buffer:
+        return (meta(1024, 512),)
+    if fn is spread_logsumexp:
+        return (meta(64, 4096),)
     return (meta(256, 512),)
 
 
@@ -92,7 +121,16 @@ def compile_cases():
             except Exception as e:
                 failure = check.describe_failure(e)
         print(
-            json.dumps({"case": name, "failure": failure, "kernels": len(check.LOG.of(name))}),
+            json.dumps(
+                {
+                    "case": name,
+                    "failure": failure,
+                    "kernels": len(check.LOG.of(name)),
+                    "traffic": [
+                        (k.name, k.reads, k.writes, k.launches) for k in check.LOG.of(name)
+                    ],
+                }
+            ),
             flush=True,
         )
 
@@ -135,6 +173,32 @@ def test_uninitialized_e5m2_buffer_fails_with_a_float8_nan_constant(outcomes):
     assert fixed["failure"] is None and fixed["kernels"] > 0, fixed
 
 
+@needs_gpu_image
+def test_a_kernel_counts_the_chunk_it_reads_not_the_buffer(outcomes):
+    """Rows 256-511 of a (1024, 512) bf16 buffer, doubled: the kernel reads and writes 256 x 512 x 2
+    bytes (the whole buffer would be 4 times that)."""
+    ((_, reads, writes, _),) = outcomes["chunk"]["traffic"]
+    assert (reads, writes) == (256 * 512 * 2, 256 * 512 * 2)
+
+
+@needs_gpu_image
+def test_a_looped_reduction_reads_its_rows_once_per_loop(outcomes):
+    """x - logsumexp(x) over (64, 4096) bf16 rows (longer than a persistent reduction's): one kernel
+    of three loops over the rows (the max, the sum of exponentials, the result), each loading x, as
+    the generated source does; it writes the fp32 result once."""
+    ((name, reads, writes, _),) = outcomes["spread"]["traffic"]
+    assert name.startswith("triton_red_"), name
+    assert (reads, writes) == (3 * 64 * 4096 * 2, 64 * 4096 * 4)
+
+
+@needs_gpu_image
+def test_a_kernel_called_for_each_recurring_source_counts_its_calls(outcomes):
+    """Inductor defines a kernel once and calls it wherever its source recurs: four layers'
+    pointwise kernels are 2 kernels (the first reads the input), 1 + 3 calls."""
+    launches = [k[3] for k in outcomes["layers"]["traffic"]]
+    assert launches == [1, 3], outcomes["layers"]["traffic"]
+
+
 def test_inventory_reads_back_as_csv_and_json(tmp_path):
     import cuda_compile_check as check
 
@@ -147,6 +211,7 @@ def test_inventory_reads_back_as_csv_and_json(tmp_path):
             writes=2048,
             numels={"x": 1024},
             grid=(1, 1, 1),
+            launches=11,
         ),
         check.Kernel(
             "training",
@@ -162,6 +227,7 @@ def test_inventory_reads_back_as_csv_and_json(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["kernel"] for r in rows] == ["triton_poi_fused_add_0", "triton_mm_1"]
     assert rows[0]["grid"] == "1x1x1" and rows[1]["grid"] == ""
+    assert (rows[0]["launches"], rows[1]["launches"]) == ("11", "1")
     assert (
         int(rows[1]["read_bytes"]),
         int(rows[1]["shared_bytes"]),

@@ -7,6 +7,7 @@ kernel, and the reference's own step at reduced size has its analytic FLOPs (slo
 ../shared/reference/); the launch floor and NCCL's latency move the totals they should; the flags' errors are
 one line."""
 import collections
+import dataclasses
 import math
 from pathlib import Path
 
@@ -597,3 +598,126 @@ def test_loss_kernel_occupancy(sfu_over_memory, expected):
     peaks = dict(H100, sfu=op.sfu / (sfu_over_memory * memory))
     seconds, _ = only_kernel_seconds(ops, ledger, peaks)
     assert seconds == pytest.approx(max(expected, (1 + sfu_over_memory) / 2) * memory, rel=1e-9)
+
+
+def inventory(tmp_path, tokens=512, training=(("triton_poi_fused_add_0", 100, 50, 11),), helpers=(),
+              suffix=".json"):
+    """A kernel inventory as tools/cuda_compile_check.py writes it: the training step's kernels
+    (an attention template among them) and the FP8 head helpers' ((graph, kernel, read, written,
+    calls))."""
+    graph = f"training step at {tokens:,} tokens (step 5, forward+backward)"
+    rows = [dict(graph=graph, kernel=name, read_bytes=read, written_bytes=written, launches=calls)
+            for name, read, written, calls in training]
+    rows.append(dict(graph=graph, kernel="triton_tem_fused_flex_attention_1", read_bytes=7,
+                     written_bytes=7, launches=2))
+    rows += [dict(graph=graph, kernel=name, read_bytes=read, written_bytes=written, launches=calls)
+             for graph, name, read, written, calls in helpers]
+    path = tmp_path / f"inventory{suffix}"
+    if suffix == ".csv":
+        import csv
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        import json
+        path.write_text(json.dumps(dict(target="sm_90", graphs=[], kernels=rows)))
+    return path
+
+
+@pytest.mark.parametrize("count, calls", [(0, 1), (1, 1), (5, 1), (2, 11)])
+def test_launch_floor_follows_the_inventorys_kernel_count(count, calls):
+    """With Inductor's kernels given, the forward's pointwise chain is priced by them: a launch
+    floor of 1 s per call, so the step is the matmul's kernel plus `count` real ones called `calls` times
+    each, and the pointwise bytes are the inventory's (1,000 bytes a call), not the chain's."""
+    peaks = dict(H100, launch=1.0)
+    ops, ledger = traced_ops(lambda a, w: ((a + 1) * 2) @ w, ((256, 64), F32), ((64, 64), F32))
+    real = [(f"triton_poi_fused_{i}", 1000, calls) for i in range(count)]
+    totals = sc.cost_of(ledger, ops, peaks, real=real)
+    assert totals["kernels"] == 1 + count * calls
+    roofline = totals["compute"] + totals["memory"]
+    assert totals["launch"] == pytest.approx(1 + count * calls - roofline, rel=1e-12)
+    assert totals["bytes"]["pointwise/reduction"] == 1000 * count * calls
+    ideal = sc.cost_of(ledger, ops, peaks)
+    assert ideal["kernels"] == 2 and ideal["bytes"]["pointwise/reduction"] == 2 * 256 * 64 * 4
+
+
+def test_real_kernels_cost_their_bytes():
+    """A kernel of 1 GB read and written costs 1 GB at HBM bandwidth, above the launch floor."""
+    ops, ledger = traced_ops(lambda a: (a + 1) * 2, ((256, 64), F32))
+    totals = sc.cost_of(ledger, ops, H100, real=[("triton_red_fused_0", 10**9, 1)])
+    assert totals["memory"] == pytest.approx(1e9 / H100["hbm"], rel=1e-12)
+    assert totals["launch"] == 0 and totals["kernels"] == 1
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv"])
+def test_inventory_reads_the_training_step_and_the_fp8_helpers(tmp_path, suffix):
+    """The training graph's kernels but its attention template, its tokens, and each FP8 helper's
+    kernels under the custom op whose call runs them; a piece runs the helpers as often as the trace
+    called them."""
+    helpers = [("FP8 head forward helper at 512 tokens", "triton_poi_fused_div_0", 30, 20, 1),
+               ("FP8 head backward helper at 512 tokens", "triton_poi_fused_div_1", 3, 2, 1),
+               ("DistAdam's update at (8,), 1 rank(s)", "triton_poi_fused_adam_0", 9, 9, 1)]
+    kernels = sc.read_inventory(inventory(tmp_path, 49152, helpers=helpers, suffix=suffix))
+    assert (kernels.tokens, kernels.training, kernels.templates) == \
+        (49152, [("triton_poi_fused_add_0", 150, 11)], 1)
+    assert kernels.helpers == {"mm_fp8": [("triton_poi_fused_div_0", 50, 1)],
+                               "mm_fp8_backward": [("triton_poi_fused_div_1", 5, 1)]}
+    ops, ledger = traced_ops(lambda a: (a + 1) * 2, ((256, 64), F32))
+    ledger.calls = [(0, "mm_fp8"), (1, "mm_fp8"), (len(ledger.ops), "mm_fp8_backward")]
+    assert [name for name, *_ in kernels.of_piece(ledger, ops)] == \
+        ["triton_poi_fused_add_0"] + 2 * ["triton_poi_fused_div_0"]
+
+
+def test_a_stage_of_another_size_says_it_is_priced_by_ideal_fusion(tmp_path):
+    kernels = sc.read_inventory(inventory(tmp_path, 49152))
+    assert sc.piece_pricing(kernels, 49152) == "Inductor's kernels"
+    assert sc.piece_pricing(kernels, 16384) == ("ideal fusion: the inventory's training step has "
+                                                "49,152 tokens, these pieces 16,384")
+    assert sc.piece_pricing(None, 16384) == "ideal fusion"
+
+
+@pytest.mark.parametrize("write, says", [
+    (None, "no such file"),
+    (lambda p: p.write_text('{"kernels": [{"graph": '), "not a JSON inventory"),
+    (lambda p: p.write_text('{"graphs": []}'), "no list of 'kernels'"),
+    (lambda p: p.write_text('{"kernels": [{"graph": "training step at 8 tokens", "kernel": "k"}]}'),
+     "kernel row 1 has no read_bytes, written_bytes, launches"),
+    (lambda p: p.write_text('{"kernels": [{"graph": "training step at 8 tokens", "kernel": "k", '
+                            '"read_bytes": "many", "written_bytes": 1, "launches": 1}]}'),
+     "not whole numbers"),
+    (lambda p: p.write_text('{"kernels": [{"graph": "FP8 head forward helper", "kernel": "k", '
+                            '"read_bytes": 1, "written_bytes": 1, "launches": 1}]}'),
+     "no kernels of the training step"),
+])
+def test_a_missing_or_garbled_inventory_is_one_line(capsys, tmp_path, write, says):
+    path = tmp_path / "inventory.json"
+    if write is not None:
+        write(path)
+    err = one_line_error(capsys, ["--kernels", str(path)])
+    assert err.startswith(f"step_cost.py: error: --kernels {path}: ") and says in err, err
+    assert "cuda_compile_check.py --only training head --inventory" in err, err
+
+
+@pytest.mark.slow
+def test_a_stage_of_the_inventorys_size_is_priced_by_its_kernels():
+    """A tiny run's first stage: with an inventory at another size it is priced by ideal fusion and
+    says why; at its pieces' size the forward's and backward's pointwise work is the inventory's one
+    kernel, called 3 times a piece at 1 MB a call, at every piece of the step (accumulation steps x
+    pieces)."""
+    hp = tiny_hp()
+    elsewhere = sc.RealKernels("inventory.json", 1, [("triton_poi_fused_0", 10**6, 3)], {}, 0)
+    (ideal,), _ = sc.stage_costs(hp, 1, H100, stages=[0], kernels=elsewhere)
+    assert ideal.pricing.startswith("ideal fusion: the inventory's training step has 1 tokens")
+    assert not any(phase == "fwd+bwd" for phase, *_ in ideal.top)
+    length = int(ideal.pricing.rsplit(" ", 1)[1].replace(",", ""))
+    here = dataclasses.replace(elsewhere, tokens=length)
+    (real,), _ = sc.stage_costs(hp, 1, H100, stages=[0], kernels=here)
+    assert real.pricing == "Inductor's kernels"
+    plan = tg.Schedule(hp).at(0)
+    accum = tg.grad_accum_steps(hp, 1)
+    tokens = tg.tokens_per_rank(plan.batch_tokens, 1, accum)
+    pieces = accum * (1 if length == tokens else -(-tokens // hp.micro_batch_tokens))
+    per_call = max(10**6 / H100["hbm"], H100["launch"])
+    compiled = sum(s for (phase, *_), s in real.top.items() if phase == "fwd+bwd")
+    assert compiled == pytest.approx(3 * pieces * per_call, rel=1e-9)

@@ -15,12 +15,14 @@ shared memory against the H100's limit and ptxas's registers and spills; the las
 graphs, kernels and failures. Exit 1 when a compile fails. See docs/cuda-compile-check.md."""
 
 import argparse
+import collections
 import contextlib
 import csv
 import dataclasses
 import functools
 import io
 import json
+import math
 import os
 import re
 import sys
@@ -113,14 +115,13 @@ class Kernel:
     graph: str
     name: str
     binaries: list
-    reads: int = (
-        0  # bytes its tensor arguments read at these shapes (Inductor's buffers; 0 if unknown)
-    )
+    reads: int = 0  # bytes it reads at these shapes (kernel_traffic; 0 if unknown)
     writes: int = 0
     numels: dict = dataclasses.field(
         default_factory=dict
     )  # its iteration ranges, as Inductor names them
     grid: tuple = ()  # of its first configuration
+    launches: int = 1  # calls in its graph's generated code (one kernel serves identical sources)
 
     def over_limit(self):
         return all(b.shared > H100_SMEM for b in self.binaries)
@@ -146,11 +147,25 @@ class KernelLog:
         self.kernels = []
         self.ptxas = []  # (registers, spill bytes) of each cubin, in compile order
         self.inductor = {}  # kernel name -> (reads, writes, numels) of the graph being lowered
+        self.wrapper, self.launches = None, collections.Counter()  # Inductor graph: calls per name
         self.compiling = None  # the kernel being compiled now (named in a failure)
 
     def add(self, name, binaries, grid=()):
         reads, writes, numels = self.inductor.get(name, (0, 0, {}))
-        self.kernels.append(Kernel(self.graph, name, binaries, reads, writes, numels, grid))
+        launches = self.launches.get(name, 1)
+        self.kernels.append(
+            Kernel(self.graph, name, binaries, reads, writes, numels, grid, launches)
+        )
+
+    def count_launch(self, name):
+        """One call of kernel `name` in the generated code of the Inductor graph being lowered
+        (Inductor defines a kernel once and calls it wherever its source recurs, e.g. per layer);
+        a graph's kernels are compiled after all of its code is generated."""
+        from torch._inductor.virtualized import V
+
+        if self.wrapper is not V.graph.wrapper_code:
+            self.wrapper, self.launches = V.graph.wrapper_code, collections.Counter()
+        self.launches[name] += 1
 
     def of(self, graph):
         return [k for k in self.kernels if k.graph == graph]
@@ -260,40 +275,99 @@ def _grid_helpers():
 
 
 def record_kernel_arguments(define_kernel):
-    """TritonScheduling.define_kernel, also noting the bytes the kernel's tensor arguments read and
-    write (whole buffers, Inductor's sizes) and its iteration ranges."""
+    """TritonScheduling.define_kernel, also noting the bytes the kernel reads and writes
+    (kernel_traffic), its iteration ranges and one more call of it (called once per kernel the
+    generated code calls, an identical source returning the name defined first)."""
 
     def define(self, src_code, node_schedule, kernel):
         name = define_kernel(self, src_code, node_schedule, kernel)
+        LOG.count_launch(name)
         with contextlib.suppress(Exception):  # an argument Inductor cannot size: counted as 0
-            LOG.inductor[name] = kernel_traffic(kernel)
+            LOG.inductor[name] = kernel_traffic(kernel, node_schedule)
         return name
 
     return define
 
 
-def kernel_traffic(kernel):
+def kernel_traffic(kernel, node_schedule=()):
+    """(bytes read, bytes written, iteration ranges) of a kernel, from Inductor's dependencies of its
+    nodes (accesses_by_buffer): of each buffer among its arguments, the elements its distinct
+    accesses touch, each access at most the kernel's iteration space and the buffer at most whole,
+    so that a kernel on one chunk of a larger buffer counts the chunk. A buffer without a dependency
+    Inductor can size counts whole."""
     from torch._inductor.virtualized import V
 
-    def size(name):
-        return (
-            int(V.graph.sizevars.optimization_hint(V.graph.get_numel(name)))
-            * V.graph.get_dtype(name).itemsize
-        )
+    def hint(expr):
+        return int(V.graph.sizevars.optimization_hint(expr))
 
+    numels = {prefix: hint(n) for prefix, n in getattr(kernel, "numels", {}).items()}
+    iterations = math.prod(numels.values()) if numels else math.inf  # a template: not capped
     args = kernel.args
-    inplace = {name for name in args.inplace_buffers if not name.startswith("REMOVED")}
-    reads = sum(size(n) for n in args.input_buffers) + sum(size(n) for n in inplace)
-    writes = sum(
-        size(n)
-        for n in args.output_buffers
-        if not str(args.output_buffers[n]).startswith("REMOVED")
-    )
-    writes += sum(size(n) for n in inplace)
-    numels = {
-        prefix: int(V.graph.sizevars.optimization_hint(n)) for prefix, n in kernel.numels.items()
+    removed = {  # fused away: never stored (in place ones too), read from registers
+        name
+        for owner in (kernel, V.graph)
+        for field in ("removed_buffers", "inplaced_to_remove")
+        for name in getattr(owner, field, ())
     }
-    return reads, writes, numels
+    names = {
+        n
+        for n, inner in (*args.input_buffers.items(), *args.output_buffers.items())
+        if not str(inner).startswith("REMOVED")
+    } | {n for n in args.inplace_buffers if not n.startswith("REMOVED")}
+    names -= removed
+    features = getattr(kernel, "features", None)
+    looped = features is not None and features.is_reduction() and not kernel.persistent_reduction
+    reads, writes = accesses_by_buffer(node_schedule, names, looped)
+
+    def elements(dep, numel):
+        if dep is None:  # no index: the whole buffer
+            return numel
+        if dep.is_indirect():  # a gather: an element per point of its node's ranges
+            return min(math.prod(hint(n) for n in dep.size), numel)
+        return min(hint(dep.get_numel()), iterations)
+
+    def touched(accesses):
+        total = 0
+        for name, loops in accesses.items():
+            numel = hint(V.graph.get_numel(name))
+            total += V.graph.get_dtype(name).itemsize * sum(
+                min(numel, sum(elements(dep, numel) for dep in loop)) for loop in loops
+            )
+        return total
+
+    untouched = {n: [[None]] for n in names if n not in reads and n not in writes}
+    return touched({**reads, **untouched}), touched(writes), numels
+
+
+def accesses_by_buffer(node_schedule, names, looped):
+    """({buffer: [[distinct access of one loop, ...] per loop]} read, the same written) of the
+    kernel's buffers `names` by its nodes: a read of what a node of the same loop wrote before is
+    from registers, not memory. One loop unless `looped` (a reduction that is not persistent: it
+    loads its rows again in each loop over them, and a reduction's result is used in a loop of its
+    own), where a marker between a reduction and its users starts the next loop. An access without
+    an index (a StarDep) is None, the whole buffer."""
+    from torch._inductor.dependencies import MemoryDep
+
+    reads, writes = collections.defaultdict(dict), collections.defaultdict(dict)
+    loop, written = 0, set()
+    for node in node_schedule:
+        if not hasattr(node, "read_writes"):  # a marker
+            if looped:
+                loop, written = loop + 1, set()
+            continue
+        for kind, accesses in (("reads", reads), ("writes", writes)):
+            for dep in getattr(node.read_writes, kind):
+                if dep.name not in names or kind == "reads" and dep.name in written:
+                    continue
+                key = dep.index if isinstance(dep, MemoryDep) else id(dep)
+                value = dep if isinstance(dep, MemoryDep) else None
+                accesses[dep.name].setdefault(loop, {})[key] = value
+        written |= {dep.name for dep in node.read_writes.writes}
+
+    def listed(accesses):
+        return {name: [list(d.values()) for d in by_loop.values()] for name, by_loop in accesses.items()}
+
+    return listed(reads), listed(writes)
 
 
 def capture_ptxas(make_cubin):
@@ -1351,6 +1425,7 @@ INVENTORY_COLUMNS = (
     "read_bytes",
     "written_bytes",
     "grid",
+    "launches",
     "configs",
     "shared_bytes",
     "registers",
@@ -1359,10 +1434,10 @@ INVENTORY_COLUMNS = (
 
 
 def inventory_rows(kernels):
-    """One row per compiled kernel (INVENTORY_COLUMNS): bytes its tensor arguments read and write at
-    these shapes (whole buffers), the grid of its first configuration ("" when not derived:
-    templates, Polar Express), and the largest shared memory, registers and spills over its
-    configurations."""
+    """One row per compiled kernel (INVENTORY_COLUMNS): bytes it reads and writes at these shapes
+    (kernel_traffic, per call), the grid of its first configuration ("" when not derived:
+    templates, Polar Express), its calls in one run of its graph, and the largest shared memory,
+    registers and spills over its configurations."""
     return [
         dict(
             graph=k.graph,
@@ -1370,6 +1445,7 @@ def inventory_rows(kernels):
             read_bytes=k.reads,
             written_bytes=k.writes,
             grid="x".join(map(str, k.grid)),
+            launches=k.launches,
             configs=len(k.binaries),
             shared_bytes=max(b.shared for b in k.binaries),
             registers=max(b.registers for b in k.binaries),

@@ -1,6 +1,7 @@
 """Step-cost ledger: where the time of one training step goes on a GPU, predicted without one.
 
     python tools/step_cost.py [train_gpt flags] [--world_size N] [--gpu h100|h200] [--reference LOG]
+                              [--kernels INVENTORY]
 
 For each stage of the run it traces one training step of rank 0 of N ranks (the forward and backward of
 every micro-step piece, then the optimizer step) on fake tensors, the way train_gpt.py's memory plan does:
@@ -14,6 +15,9 @@ FLOPs come from torch.utils.flop_counter (FlopCounterMode's formulas, one for th
 visible 128 x 128 block); bytes from the storages the ops read and write (the memory plan's live-storage
 tracer). Ideal fusion: a tensor made by a pointwise/reduction op, read only by such ops and dead within the
 same phase (forward, backward, optimizer) never reaches memory; the ops joined by such tensors are one kernel.
+With --kernels (the CUDA compile check's kernel inventory) ours' forward and backward are priced
+by the kernels Inductor really generated instead: their calls for the launch floor, their bytes
+read and written.
 Each op costs its roofline time, max(FLOPs / peak of its class, bytes / HBM bandwidth), with what a
 roofline misses (attention at its backend's efficiency, GEMM waves over the SMs, a looped reduction's
 second pass, special functions, a hand-written kernel's occupancy), and each kernel at least the
@@ -24,10 +28,14 @@ see docs/where-the-time-goes.md for what it leaves out.
 import argparse
 import collections
 import contextlib
+import csv
 import dataclasses
 import functools
+import io
+import json
 import math
 import os
+import re
 import warnings
 import sys
 import weakref
@@ -251,6 +259,7 @@ class Ledger(LiveMemory):
         self.flop_registry = FlopCounterMode(display=False).flop_registry
         self._keys, self._next_serial = {}, 0
         self.produced, self.consumers, self.died_in = {}, collections.defaultdict(list), {}
+        self.calls = []  # (index of the next op, custom op) of the FP8 head's compiled helpers
 
     def serial(self, storage):
         entry = self._keys.get(id(storage))
@@ -270,9 +279,11 @@ class Ledger(LiveMemory):
         kwargs = kwargs or {}
         name = func._overloadpacket.__name__
         if func is torch.ops.speedrun.mm_fp8.default:  # the head's custom op: trace its eager body
+            self.calls.append((len(self.ops), "mm_fp8"))
             with self:
                 return tg.fp8_forward(*args[:4])
         if func is torch.ops.speedrun.mm_fp8_backward.default:
+            self.calls.append((len(self.ops), "mm_fp8_backward"))
             with self:
                 return tg.fp8_backward(*args)
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -444,6 +455,105 @@ class Ledger(LiveMemory):
         return sum(-(-b // blocks) * blocks for s, b in sizes.items() if self.died_in.get(s) != phase)
 
 
+# ---- Inductor's real kernels: the CUDA compile check's kernel inventory (--kernels FILE)
+
+TRAINING_GRAPH = re.compile(r"training step at ([\d,]+) tokens")
+HELPER_GRAPHS = {"mm_fp8": "FP8 head forward helper", "mm_fp8_backward": "FP8 head backward helper"}
+INVENTORY_COLUMNS = ("graph", "kernel", "read_bytes", "written_bytes", "launches")
+TEMPLATE_PREFIX = "triton_tem_"  # FlexAttention's templates: the ledger prices attention by backend
+COMPILED = "pointwise/reduction"  # the class whose work Inductor's Triton kernels do
+MAKE_INVENTORY = ("make one with ~/.cache/speedrun/venv-torch-2.11/bin/python "
+                  "tools/cuda_compile_check.py --only training head --inventory FILE.json")
+
+
+class InventoryError(ValueError):
+    """A kernel inventory the ledger cannot use, said in a phrase."""
+
+
+@dataclasses.dataclass
+class RealKernels:
+    """Inductor's kernels of our training step (the CUDA compile check's inventory): (name, bytes
+    read + written per call, calls per run of its graph) of the training graph's kernels but its
+    attention templates, and of each FP8 head helper's, by the custom op whose call runs it."""
+    path: str
+    tokens: int  # the training graph's tokens per micro-step
+    training: list
+    helpers: dict
+    templates: int
+
+    def of_piece(self, ledger, ops):
+        """(name, bytes, calls) of the kernels one traced piece (`ops`, its slice of ledger.ops)
+        runs."""
+        first, end = ops[0].index, ops[-1].index + 1
+        kernels = list(self.training)
+        for index, op in ledger.calls:
+            if first <= index < end:
+                kernels += self.helpers.get(op, [])
+        return kernels
+
+    def describe(self):
+        calls = sum(launches for _, _, launches in self.training)
+        return (f"Inductor's kernels of the training step at {self.tokens:,} tokens from "
+                f"{self.path} "
+                f"({len(self.training)} kernels, {calls} calls; {self.templates} attention "
+                "templates, priced by backend)")
+
+
+def inventory_rows(path):
+    """The rows of a kernel inventory: FILE.csv one per kernel, any other name JSON."""
+    try:
+        text = open(path, encoding="utf-8").read()
+    except FileNotFoundError:
+        raise InventoryError("no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InventoryError(f"cannot read it ({type(e).__name__})") from None
+    if str(path).endswith(".csv"):
+        try:
+            return list(csv.DictReader(io.StringIO(text)))
+        except csv.Error as e:
+            raise InventoryError(f"not a CSV inventory ({e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InventoryError(f"not a JSON inventory (line {e.lineno}: {e.msg})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("kernels"), list):
+        raise InventoryError("not a kernel inventory (no list of 'kernels')")
+    return data["kernels"]
+
+
+def read_inventory(path):
+    """RealKernels of a kernel inventory; InventoryError when it has no training step's kernels or
+    a row without a graph, a kernel and whole numbers of bytes read and written."""
+    training, helpers, templates, tokens = [], collections.defaultdict(list), 0, set()
+    for number, row in enumerate(inventory_rows(path), 1):
+        missing = [c for c in INVENTORY_COLUMNS if not isinstance(row, dict) or c not in row]
+        if missing:
+            raise InventoryError(f"kernel row {number} has no {', '.join(missing)}")
+        graph, name = str(row["graph"]), str(row["kernel"])
+        try:
+            size = int(row["read_bytes"]) + int(row["written_bytes"])
+            kernel = (name, size, int(row["launches"]))
+        except (TypeError, ValueError):
+            raise InventoryError(f"kernel row {number} ({name}): read_bytes, written_bytes and "
+                                 "launches are not whole numbers") from None
+        match = TRAINING_GRAPH.match(graph)
+        if match:
+            tokens.add(int(match.group(1).replace(",", "")))
+            if name.startswith(TEMPLATE_PREFIX):
+                templates += 1
+            else:
+                training.append(kernel)
+        for op, helper in HELPER_GRAPHS.items():
+            if graph.startswith(helper):
+                helpers[op].append(kernel)
+    if not training:
+        raise InventoryError("no kernels of the training step (a graph 'training step at N "
+                             "tokens')")
+    if len(tokens) > 1:
+        raise InventoryError(f"training steps at several sizes ({sorted(tokens)} tokens)")
+    return RealKernels(str(path), tokens.pop(), training, dict(helpers), templates)
+
+
 # ---- tracing one step of a stage
 
 def trace_setup(hp, world_size, ledger, attention="flex_triton"):
@@ -520,6 +630,7 @@ class StageCost:
     latency: float  # the collectives' NCCL latency, within comm
     top: collections.Counter  # (phase, class, op, output) -> seconds per step
     ops: list = dataclasses.field(repr=False)  # [(Op, times per step)]
+    pricing: str = "ideal fusion"  # how the forward's and backward's pointwise work is priced
 
     @property
     def exposed_comm(self):
@@ -639,9 +750,13 @@ def kernel_extra_seconds(ledger, kernel, peaks, roofline):
     return extra
 
 
-def cost_of(ledger, ops, peaks, weight=1.0, into=None):
+def cost_of(ledger, ops, peaks, weight=1.0, into=None, real=None):
     """Accumulate ops' FLOPs, bytes and seconds (times `weight`) into a dict of totals: each op its roofline
-    time, each kernel (kernels_of) at least the launch floor, each collective NCCL's latency + NVLink time."""
+    time, each kernel (kernels_of) at least the launch floor, each collective NCCL's latency +
+    NVLink time. With `real` ([(name, bytes, calls)]: Inductor's kernels of these ops' forward and
+    backward), those do the forward's and backward's pointwise/reduction work instead of ideal
+    fusion's: their bytes at HBM bandwidth, each call at least the launch floor; only the ideal
+    kernels' special functions stay."""
     totals = into or dict(flops=collections.Counter(), bytes=collections.Counter(), seconds=collections.Counter(),
                           compute=0.0, memory=0.0, launch=0.0, comm=0.0, optimizer_compute=0.0, kernels=0.0,
                           collectives=0.0, latency=0.0, top=collections.Counter(), ops=[])
@@ -650,6 +765,9 @@ def cost_of(ledger, ops, peaks, weight=1.0, into=None):
         totals["ops"].append((op, weight))
         read, written = ledger.op_bytes(op)
         totals["flops"][op.kind] += weight * op.flops
+        if real is not None and compiled_work(op):  # priced by the real kernels below
+            op_seconds[id(op)] = max(op.flops / peaks["bf16"], (read + written) / peaks["hbm"])
+            continue
         totals["bytes"][op.kind] += weight * (read + written)
         if op.kind == "collectives":
             latency = nccl_latency(op.name, ledger.world_size, peaks)
@@ -669,10 +787,15 @@ def cost_of(ledger, ops, peaks, weight=1.0, into=None):
         totals["seconds"][op.kind] += weight * seconds
         totals["top"][op.phase, op.kind, op.name, op.shape] += weight * seconds
     for kernel in kernels_of(ledger, ops):
-        totals["kernels"] += weight
         first = max(kernel, key=lambda op: op_seconds[id(op)])
         roofline = sum(op_seconds[id(op)] for op in kernel)
-        for part, seconds in kernel_extra_seconds(ledger, kernel, peaks, roofline).items():
+        extra = kernel_extra_seconds(ledger, kernel, peaks, roofline)
+        if real is not None and all(compiled_work(op) for op in kernel):
+            extra.pop("memory", None)  # a second pass is in the real kernels' bytes
+            add_seconds(totals, weight, first, extra)
+            continue
+        totals["kernels"] += weight
+        for part, seconds in extra.items():
             totals[part] += weight * seconds
             if part == "memory":
                 totals["bytes"][first.kind] += weight * seconds * peaks["hbm"]
@@ -689,11 +812,39 @@ def cost_of(ledger, ops, peaks, weight=1.0, into=None):
             totals["top"][first.phase, first.kind, first.name, first.shape] += weight * short
             if first.phase == "optimizer":
                 totals["optimizer_compute"] += weight * short
+    for name, size, calls in real or ():
+        memory = size / peaks["hbm"]
+        short = max(0.0, peaks["launch"] - memory)
+        times = weight * calls
+        totals["kernels"] += times
+        totals["memory"] += times * memory
+        totals["launch"] += times * short
+        totals["bytes"][COMPILED] += times * size
+        totals["seconds"][COMPILED] += times * (memory + short)
+        item = "fwd+bwd", COMPILED, "kernel", name[:KERNEL_NAME_CHARS]
+        totals["top"][item] += times * (memory + short)
     return totals
 
 
-def stage_costs(hp, world_size, peaks, stages=range(4), attention="flex_triton"):
-    """StageCost of each of `stages` (0-2, 3: the extension) that has steps, and the Ledger."""
+KERNEL_NAME_CHARS = 60  # an item per kernel name's start: the loss's chunk kernels are one item
+
+
+def compiled_work(op):
+    """Work of the forward and backward that Inductor's Triton kernels do (the real kernels')."""
+    return op.kind == COMPILED and op.phase in ("forward", "backward")
+
+
+def add_seconds(totals, weight, op, extra):
+    """A kernel's time beyond its ops' rooflines (kernel_extra_seconds' parts), put on `op`."""
+    for part, seconds in extra.items():
+        totals[part] += weight * seconds
+        totals["seconds"][op.kind] += weight * seconds
+        totals["top"][op.phase, op.kind, op.name, op.shape] += weight * seconds
+
+
+def stage_costs(hp, world_size, peaks, stages=range(4), attention="flex_triton", kernels=None):
+    """StageCost of each of `stages` (0-2, 3: the extension) that has steps, and the Ledger. With
+    `kernels` (RealKernels), a stage whose pieces have the inventory's tokens is priced by them."""
     fake, ledger, schedule = FakeTensorMode(), Ledger(world_size), tg.Schedule(hp)
     plans = [schedule.at(step) for step in range(schedule.total_steps)]
     costs = []
@@ -709,6 +860,7 @@ def stage_costs(hp, world_size, peaks, stages=range(4), attention="flex_triton")
             length = tg.padded_piece_length(tokens, tg.piece_cap(hp), plans[first].max_seq_len)
             # pieces of whole documents: at least ceil(tokens / N) of them (how many more depends on the data)
             count = 1 if length == tokens else -(-tokens // hp.micro_batch_tokens)
+            pricing = piece_pricing(kernels, length)
             if optimizers[1].tied and schedule.untie_step is not None and schedule.untie_step < following:
                 optimizers[1].untie()
             # an even step (DistAdam's gradients start) and an odd one (they accumulate, DistAdam steps)
@@ -718,14 +870,29 @@ def stage_costs(hp, world_size, peaks, stages=range(4), attention="flex_triton")
             for step, share in ((even, following - first - odd_steps), (even + 1, odd_steps)):
                 start = len(ledger.ops)
                 trace_piece(hp, model, fake, ledger, length, schedule.at(step))
-                totals = cost_of(ledger, ledger.ops[start:], peaks, accum * count * share / (following - first), totals)
+                piece = ledger.ops[start:]
+                real = kernels.of_piece(ledger, piece) if pricing.startswith("Inductor") else None
+                weight = accum * count * share / (following - first)
+                totals = cost_of(ledger, piece, peaks, weight, totals, real)
                 start = len(ledger.ops)
                 # the bigram rows of one rank's tokens since the last Adam step (two steps)
                 trace_optimizer_step(model, optimizers, schedule.at(step), ledger,
                                      draws=2 * tokens * accum)
                 totals = cost_of(ledger, ledger.ops[start:], peaks, share / (following - first), totals)
-            costs.append(StageCost(stage, following - first, tokens * world_size * accum, **totals))
+            costs.append(StageCost(stage, following - first, tokens * world_size * accum, **totals,
+                                   pricing=pricing))
     return costs, ledger
+
+
+def piece_pricing(kernels, length):
+    """How a stage whose pieces have `length` tokens is priced: by the inventory's kernels where it
+    has this size, else by ideal fusion (and why)."""
+    if kernels is None:
+        return "ideal fusion"
+    if kernels.tokens != length:
+        return (f"ideal fusion: the inventory's training step has {kernels.tokens:,} tokens, these "
+                f"pieces {length:,}")
+    return "Inductor's kernels"
 
 
 @contextlib.contextmanager
@@ -797,17 +964,25 @@ def header(world_size, peaks):
 def step_line(c):
     return (f"{c.step_seconds * 1e3:.1f} (compute {c.compute * 1e3:.1f}, memory {c.memory * 1e3:.1f}, launch floor "
             f"{c.launch * 1e3:.1f}, exposed comm {c.exposed_comm * 1e3:.1f}; {c.kernels:,.0f} kernels, "
-            f"{c.collectives:,.0f} collectives)")
+            f"{c.collectives:,.0f} collectives; {c.pricing})")
 
 
 def train_seconds(costs):
     return sum(c.steps * c.step_seconds for c in costs)
 
 
-def report(hp, world_size, gpu, top=12, attention="flex_triton"):
+def pricing_line(kernels):
+    """Which kernels price ours: the inventory's, or ideal fusion when none is given."""
+    if kernels is None:
+        return "ours: ideal fusion (no --kernels inventory)"
+    return (f"ours: forward and backward by {kernels.describe()}; the optimizer step and stages of "
+            "other sizes by ideal fusion")
+
+
+def report(hp, world_size, gpu, top=12, attention="flex_triton", kernels=None):
     peaks = GPU_PEAKS[gpu]
-    costs, _ = stage_costs(hp, world_size, peaks, attention=attention)
-    lines = header(world_size, peaks)
+    costs, _ = stage_costs(hp, world_size, peaks, attention=attention, kernels=kernels)
+    lines = header(world_size, peaks) + [pricing_line(kernels)]
     for c in costs:
         matmul = sum(c.flops[k] for k in CLASSES if k.startswith("matmul"))
         lines.append(f"stage {c.stage + 1} ({c.steps} steps, {c.tokens:,} tokens/step):")
@@ -856,11 +1031,12 @@ def differences(ours, reference, top):
     return sorted(rows, key=lambda row: -abs(row[0]))[:top]
 
 
-def side_by_side(hp, world_size, gpu, log_path, top=12, attention="flex_triton"):
+def side_by_side(hp, world_size, gpu, log_path, top=12, attention="flex_triton", kernels=None):
     peaks = GPU_PEAKS[gpu]
-    ours, _ = stage_costs(hp, world_size, peaks, attention=attention)
+    ours, _ = stage_costs(hp, world_size, peaks, attention=attention, kernels=kernels)
     reference, _ = reference_stage_costs(log_path, world_size, peaks)
-    return comparison(ours, reference, world_size, peaks, os.path.basename(log_path), top)
+    lines = comparison(ours, reference, world_size, peaks, os.path.basename(log_path), top)
+    return lines[:3] + [pricing_line(kernels)] + lines[3:]
 
 
 def comparison(ours, reference, world_size, peaks, log_name, top=12):
@@ -930,6 +1106,10 @@ def parse(argv):
                         help="FlexAttention's backend ours is priced at (default flex_triton, what runs)")
     parser.add_argument("--reference", metavar="LOG", default=None,
                         help="a modded-nanogpt record log: trace its own step too and print both side by side")
+    parser.add_argument("--kernels", metavar="FILE", default=None,
+                        help="the CUDA compile check's kernel inventory "
+                             "(tools/cuda_compile_check.py --inventory FILE): price ours by "
+                             "Inductor's real kernels, not ideal fusion")
     args, rest = parser.parse_known_args(argv)
     if args.world_size is None:
         args.world_size = default_world_size(parser)
@@ -944,6 +1124,11 @@ def parse(argv):
             parser.error(f"--reference {args.reference}: the record's step runs on world sizes "
                          f"dividing 8 (its grad_accum_steps = 8 // world_size), not --world_size "
                          f"{args.world_size}")
+    if args.kernels is not None:
+        try:
+            args.kernels = read_inventory(args.kernels)
+        except InventoryError as e:
+            parser.error(f"--kernels {args.kernels}: {e}; {MAKE_INVENTORY}")
     trainer = tg.parser_for(rest, prog=parser.prog)
     try:
         hp = tg.hyperparameters_from(trainer.parse_args(rest))
@@ -960,10 +1145,10 @@ def main(argv=None):
     args, hp = parse(sys.argv[1:] if argv is None else argv)
     try:
         if args.reference is None:
-            lines = report(hp, args.world_size, args.gpu, args.top, args.attention)
+            lines = report(hp, args.world_size, args.gpu, args.top, args.attention, args.kernels)
         else:
             lines = side_by_side(hp, args.world_size, args.gpu, args.reference, args.top,
-                                 args.attention)
+                                 args.attention, args.kernels)
     except reference_step.LogError as e:
         print(f"step_cost.py: error: --reference {args.reference}: {e}", file=sys.stderr)
         sys.exit(2)
