@@ -7,8 +7,8 @@ from pathlib import Path
 import train_gpt as tg
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = [ROOT / "train_gpt.py", ROOT / "track3.py", ROOT / "ngram_prior.py", ROOT / "flex_flash.py",
-        ROOT / "fp8_mlp_kernels.py"]
+CODE = [ROOT / name for name in ("train_gpt.py", "track3.py", "ngram_prior.py", "flex_flash.py",
+                                "fp8_mlp_kernels.py")]
 MAX_COLUMNS = 100
 # Growth guards, set at this round's sizes (the 2,500 and 4,000 were measured on the file before
 # it was wrapped to 100 columns; its code lines alone are ~3,300 now): the recipe, before the fence, and
