@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-E4M3_MAX = 448.0
+E4M3_MAX = tl.constexpr(448.0)
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), record #89's tiles for these two GEMMs on an H100
 UP_TILE = (128, 256, 128, 8, 3)
 GRAD_TILE = (128, 256, 64, 8, 3)
