@@ -16,8 +16,11 @@ import triton.language as tl
 from torch import Tensor
 
 E4M3_MAX = tl.constexpr(448.0)
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), record #89's tiles for these two GEMMs on an H100
-UP_TILE = (128, 256, 128, 8, 3)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). The bf16 gradient GEMM has record #89's tile. The FP8
+# up projection has half its columns: record #89's 128 x 256 tile keeps 128 fp32 accumulator
+# registers a thread, and promoting the FP8 accumulator (below) needs a second one as large, past
+# sm_90's 255 registers (ptxas spills 1,056 B; 444 B with the epilogue in halves)
+UP_TILE = (128, 128, 128, 8, 3)
 GRAD_TILE = (128, 256, 64, 8, 3)
 GROUP_M = 8  # row tiles per group: neighbouring programs share a band of W's columns in L2
 # The FP8 dot's accumulator is promoted to fp32 registers every K tile (128 elements), as cuBLAS
@@ -27,8 +30,8 @@ UP_IMPRECISE_ACC = UP_TILE[2]
 
 
 @triton.jit
-def _tile_rows_cols(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    """This program's output tile (row and column offsets), in groups of GROUP row tiles."""
+def _tile_origin(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """This program's output tile's first row and column, in groups of GROUP row tiles."""
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP * tiles_n)
@@ -36,7 +39,7 @@ def _tile_rows_cols(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: t
     group_rows = min(tiles_m - first_m, GROUP)
     pid_m = first_m + (pid % (GROUP * tiles_n)) % group_rows
     pid_n = (pid % (GROUP * tiles_n)) // group_rows
-    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
 
 
 @triton.jit
@@ -83,34 +86,50 @@ def _a_times_b_t(a_ptr, b_ptr, rm, rn, M, N, K, s_am, s_bn, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _up_relu_square_kernel(x_ptr, w_ptr, pre_ptr, post_ptr, post_f8_ptr, pre_max_ptr,
-                           dequant_ptr, inv_act_ptr, M, N, K, s_xm, s_wn,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP: tl.constexpr, IMPRECISE_ACC: tl.constexpr):
-    rm, rn = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N, GROUP)
-    acc = _a_times_b_t(x_ptr, w_ptr, rm, rn, M, N, K, s_xm, s_wn, BLOCK_M, BLOCK_N, BLOCK_K,
-                       IMPRECISE_ACC, False)
+def _up_epilogue(acc, rm, rn, M, N, pre_ptr, post_ptr, post_f8_ptr, inv_act):
+    """Stores pre, post and post_f8 of a block of the scaled fp32 sums; returns its max(pre, 0)."""
     # the rounding points of the unfused path: _scaled_mm's scaled fp32 result to bf16, relu and
     # square in fp32 (exact for a bf16 value) to bf16, its fp32 product with 1 / act_scale to e4m3
-    pre = _round_bf16(acc * tl.load(dequant_ptr))
+    pre = _round_bf16(acc)
     relu = tl.maximum(pre, 0.0, propagate_nan=tl.PropagateNan.ALL)
     post = _round_bf16(relu * relu)
-    scaled = post * tl.load(inv_act_ptr)
-    post_f8 = _round_e4m3(tl.minimum(scaled, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL))
+    post_f8 = _round_e4m3(tl.minimum(post * inv_act, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL))
     at = rm[:, None] * N + rn[None, :]
     inside = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(pre_ptr + at, pre.to(tl.bfloat16), mask=inside)
     tl.store(post_ptr + at, post.to(tl.bfloat16), mask=inside)
     tl.store(post_f8_ptr + at, post_f8.to(tl.float8e4nv), mask=inside)
     # rows and columns outside the output are 0 here (masked loads), as relu leaves them
-    tl.store(pre_max_ptr + tl.program_id(0), tl.max(tl.max(relu, axis=1), axis=0))
+    return tl.max(tl.max(relu, axis=1), axis=0)
+
+
+@triton.jit
+def _up_relu_square_kernel(x_ptr, w_ptr, pre_ptr, post_ptr, post_f8_ptr, pre_max_ptr,
+                           dequant_ptr, inv_act_ptr, M, N, K, s_xm, s_wn,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP: tl.constexpr, IMPRECISE_ACC: tl.constexpr):
+    row0, col0 = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP)
+    rm, rn = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
+    acc = _a_times_b_t(x_ptr, w_ptr, rm, rn, M, N, K, s_xm, s_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                       IMPRECISE_ACC, False)
+    acc = acc * tl.load(dequant_ptr)
+    # the epilogue a half tile at a time (its left and right BLOCK_N / 2 columns), as record #89's
+    # kernel, fewer values and pointers live at once: 183 registers on sm_90 rather than 254
+    left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    half = tl.arange(0, BLOCK_N // 2)
+    inv_act = tl.load(inv_act_ptr)
+    left_max = _up_epilogue(left, rm, col0 + half, M, N, pre_ptr, post_ptr, post_f8_ptr, inv_act)
+    right_max = _up_epilogue(right, rm, col0 + BLOCK_N // 2 + half, M, N, pre_ptr, post_ptr,
+                             post_f8_ptr, inv_act)
+    tl.store(pre_max_ptr + tl.program_id(0), tl.maximum(left_max, right_max))
 
 
 @triton.jit
 def _relu_square_grad_kernel(g_ptr, w_ptr, pre_ptr, out_ptr, M, N, K, s_gm, s_wn,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr):
-    rm, rn = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N, GROUP)
+    row0, col0 = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP)
+    rm, rn = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
     acc = _a_times_b_t(g_ptr, w_ptr, rm, rn, M, N, K, s_gm, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, 0,
                        UPCAST)
     at = rm[:, None] * N + rn[None, :]
