@@ -246,6 +246,28 @@ def test_linear_relu_square_stand_ins():
     assert ledger.op_bytes(op) == (2 * (M * K + N * K + M * N), 2 * M * N)
 
 
+@pytest.mark.skipif(not tg.HAS_TRITON, reason="the fused FP8 MLP's ops need Triton")
+def test_fused_mlp_ops_are_priced_as_their_gemms():
+    """fp8_mlp_kernels.py's ops. Up projection: 2 M N K FLOPs as an FP8 GEMM; reads x and W1 in e4m3
+    and two scales, writes pre and post (bf16), post in e4m3 and one fp32 maximum per output tile.
+    relu^2 gradient: 2 M N K in bf16, reading the gradient, W2 and pre, writing the gradient of pre.
+    Error model: none (integers)."""
+    M, N, K = 512, 3072, 768
+    kernels = sc.fused_mlp_kernels()
+    block_m, block_n = kernels.UP_TILE[:2]
+    tiles = (M // block_m) * (N // block_n)
+    ops, ledger = traced_ops(torch.ops.speedrun.fp8_up_relu_square, ((M, K), E4M3), ((N, K), E4M3),
+                             ((), F32), ((), F32))
+    op = only_op(ops, "fp8_up_relu_square")
+    assert (op.kind, op.flops, op.tiles) == ("matmul fp8", 2 * M * N * K, tiles)
+    assert ledger.op_bytes(op) == (M * K + N * K + 8, 2 * 2 * M * N + M * N + 4 * tiles)
+    ops, ledger = traced_ops(torch.ops.speedrun.relu_square_grad, ((M, K), BF16), ((N, K), BF16),
+                             ((M, N), BF16))
+    op = only_op(ops, "relu_square_grad")
+    assert (op.kind, op.flops) == ("matmul bf16", 2 * M * N * K)
+    assert ledger.op_bytes(op) == (2 * (M * K + N * K + M * N), 2 * M * N)
+
+
 def test_loss_and_copy_stand_ins_move_their_tensors():
     """ce_fwd_bwd reads each row's bf16 logits, the int64 targets and the MTP weights and writes the fp32 losses
     and the e5m2 gradient; the quantize-transpose reads the strided down projections (12 of the bank's 24
