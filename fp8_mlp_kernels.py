@@ -8,6 +8,7 @@ on the GPU path when the MLP runs in FP8; docs/fp8-mlp-kernels.md):
 
 They are torch.library custom ops, opaque to torch.compile, whose implementation launches Triton
 kernels: on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, the tests)."""
+import functools
 import os
 
 import torch
@@ -182,6 +183,23 @@ def launch_relu_square_grad(grad_out, w2, pre, tile=GRAD_TILE):
         BLOCK_N=block_n, BLOCK_K=block_k, GROUP=GROUP_M,
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages)
     return out
+
+
+@functools.cache
+def interpreter_computes_fp8():
+    """Whether Triton's interpreter is on (TRITON_INTERPRET=1) and computes an e4m3 dot as an fp32
+    matmul of its values (Triton 3.6's and 3.9's do): the kernels' CPU runs need it."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    import train_gpt
+
+    train_gpt._squeeze_interpreter_loop_bounds()
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(-8, 9, (16, 32), generator=g).mul(8.0).to(torch.float8_e4m3fn)
+            for _ in range(2))
+    one = torch.ones(())
+    pre = launch_up_relu_square(a, b, one, one, tile=(16, 16, 32, 4, 1))[0]
+    return torch.equal(pre, (a.float() @ b.float().T).bfloat16())
 
 
 @torch.library.custom_op("speedrun::fp8_up_relu_square", mutates_args=())

@@ -7,7 +7,6 @@ order then gives the same sums, so the fused and unfused paths must agree bit fo
 rounding point (pre and post to bf16, post_f8 to e4m3, the amax, the gradient of pre). On a GPU
 the sums of real data differ by accumulation order: tools/smoke_checks.py's fused_mlp check bounds
 that."""
-import os
 
 import pytest
 import torch
@@ -15,23 +14,8 @@ import torch
 import train_gpt as tg
 
 
-def _interpreter_computes_fp8():
-    """Whether Triton's interpreter here computes an e4m3 dot as an fp32 matmul of its values
-    (Triton 3.6 does; 3.9's does not)."""
-    if not tg.HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    kernels = tg.load_companion("fp8_mlp_kernels.py")
-    tg._squeeze_interpreter_loop_bounds()
-    g = torch.Generator().manual_seed(0)
-    a, b = (torch.randint(-8, 9, (16, 32), generator=g).mul(8.0).to(torch.float8_e4m3fn)
-            for _ in range(2))
-    one = torch.ones(())
-    pre = kernels.launch_up_relu_square(a, b, one, one, tile=(16, 16, 32, 4, 1))[0]
-    return torch.equal(pre, (a.float() @ b.float().T).bfloat16())
-
-
 pytestmark = pytest.mark.skipif(
-    not _interpreter_computes_fp8(),
+    not (tg.HAS_TRITON and tg.load_companion("fp8_mlp_kernels.py").interpreter_computes_fp8()),
     reason=f"needs Triton's interpreter with FP8 dots (CI's torch 2.11 / Triton 3.6 venv); here "
            f"torch {torch.__version__}, "
            f"Triton {__import__('triton').__version__ if tg.HAS_TRITON else 'absent'}")
