@@ -1022,24 +1022,23 @@ def unfused_grad(grad_out, w2, pre):
     return 2 * (grad_out @ w2.T) * torch.relu(pre)
 
 
-def fp32_sum_error(k, device):
-    """Bound on |an fp32 sum of k products - the exact sum| / the sum of |products|: k 2^-24, and on
-    CUDA FP8's narrower accumulation within a tile."""
-    return k * 2.0 ** -24 + (FP8_TILE_ACCUMULATION if device.type == "cuda" else 0)
+def fp32_sum_error(k):
+    """Bound on |an fp32 sum of k products - the exact sum| / the sum of |products|."""
+    return k * 2.0 ** -24
 
 
 def check_fused_mlp(device, size):
     """fp8_mlp_kernels.py's ops against the unfused path (FP8ReluSquareMLP's torch ops). The
     epilogue is exact: post, post_f8 and the tile maxima are the torch ops' of the fused pre, bit
     for bit. The GEMMs differ by accumulation order: per entry, pre within 2^-7 of itself (two bf16
-    roundings, half a step each: 8 significant bits) plus both sides' fp32 sum error
-    (fp32_sum_error) of S = |x_f8| |W1_f8|^T dequant; the gradient of pre within 2^-7 of itself
-    plus 2 relu(pre) times the bf16 GEMM's difference, bounded the same way (and 2^-8 S more on
-    CUDA, where cuBLAS may reduce split-K sums in bf16)."""
+    roundings, half a step each: 8 significant bits) plus both sides' sum error of
+    S = |x_f8| |W1_f8|^T dequant (fp32_sum_error, and on CUDA FP8_TILE_ACCUMULATION); the gradient
+    of pre within 2^-7 of itself plus 2 relu(pre) times the bf16 GEMM's difference, bounded the same
+    way (on CUDA 2^-8 S more, where cuBLAS may reduce split-K sums in bf16)."""
+    kernels = tg.load_companion("fp8_mlp_kernels.py")
     x_f8, w1_f8, dequant, inv_act, grad_out, w2 = fused_mlp_inputs(device, size)
-    k = x_f8.shape[1]
-    pre, post, post_f8, tile_max = torch.ops.speedrun.fp8_up_relu_square(x_f8, w1_f8, dequant,
-                                                                         inv_act)
+    k, on_cuda = x_f8.shape[1], device.type == "cuda"
+    pre, post, post_f8, tile_max = kernels.up_relu_square(x_f8, w1_f8, dequant, inv_act)
     want_post, want_f8, want_amax = unfused_epilogue(pre, inv_act)
     require(torch.equal(post, want_post) and torch.equal(post_f8.view(torch.uint8),
                                                          want_f8.view(torch.uint8)),
@@ -1050,14 +1049,13 @@ def check_fused_mlp(device, size):
     ref = unfused_up(x_f8, w1_f8, dequant)
     S = x_f8.float().abs() @ w1_f8.float().abs().T * dequant
     bound = (2.0 ** -7 * torch.maximum(pre.abs(), ref.abs()).float()
-             + 2 * fp32_sum_error(k, device) * S)
+             + 2 * (fp32_sum_error(k) + FP8_TILE_ACCUMULATION * on_cuda) * S)
     up_ratio = ((pre.float() - ref.float()).abs() / bound).max().item()
-    got = torch.ops.speedrun.relu_square_grad(grad_out, w2, pre)
+    got = kernels.relu_square_grad(grad_out, w2, pre)
     want = unfused_grad(grad_out, w2, pre)
     t = (grad_out @ w2.T).float()
     S_t = grad_out.float().abs() @ w2.float().abs().T
-    gemm = (2.0 ** -7 * t.abs() + (2 * fp32_sum_error(k, torch.device("cpu"))
-                                   + (2.0 ** -8 if device.type == "cuda" else 0)) * S_t)
+    gemm = 2.0 ** -7 * t.abs() + (2 * fp32_sum_error(k) + 2.0 ** -8 * on_cuda) * S_t
     bound = (2.0 ** -7 * torch.maximum(got.abs(), want.abs()).float()
              + 2 * torch.relu(pre.float()) * gemm)
     grad_ratio = ((got.float() - want.float()).abs() / bound.clamp(min=2.0 ** -133)).max().item()
@@ -1079,11 +1077,11 @@ def report_fused_mlp_speed(device, size):
     calls compile (timed apart), then the medians."""
     x_f8, w1_f8, dequant, inv_act, grad_out, w2 = fused_mlp_inputs(device, size)
     pre = unfused_up(x_f8, w1_f8, dequant)
-    ops = torch.ops.speedrun
+    kernels = tg.load_companion("fp8_mlp_kernels.py")
     up_args = (x_f8, w1_f8, dequant, inv_act)
-    runs = {"up": (lambda: ops.fp8_up_relu_square(*up_args),
+    runs = {"up": (lambda: kernels.up_relu_square(*up_args),
                    functools.partial(torch.compile(unfused_forward), *up_args)),
-            "grad": (lambda: ops.relu_square_grad(grad_out, w2, pre),
+            "grad": (lambda: kernels.relu_square_grad(grad_out, w2, pre),
                      functools.partial(torch.compile(unfused_grad), grad_out, w2, pre))}
     start = time.perf_counter()
     for fused, unfused in runs.values():
