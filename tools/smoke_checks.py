@@ -1027,14 +1027,25 @@ def fp32_sum_error(k):
     return k * 2.0 ** -24
 
 
+def rounded_bound(exact, delta):
+    """Bound on |bf16(y) - exact| where |y - exact| <= delta: half a bf16 step (2^-8, 8 significant
+    bits) of |y| <= |exact| + delta, plus delta."""
+    return 2.0 ** -8 * (exact.abs() + delta) + delta
+
+
+def worst_ratio(got, exact, bound):
+    return ((got.double() - exact).abs() / bound.clamp(min=2.0 ** -133)).max().item()
+
+
 def check_fused_mlp(device, size):
     """fp8_mlp_kernels.py's ops against the unfused path (FP8ReluSquareMLP's torch ops). The
     epilogue is exact: post, post_f8 and the tile maxima are the torch ops' of the fused pre, bit
-    for bit. The GEMMs differ by accumulation order: per entry, pre within 2^-7 of itself (two bf16
-    roundings, half a step each: 8 significant bits) plus both sides' sum error of
-    S = |x_f8| |W1_f8|^T dequant (fp32_sum_error, and on CUDA FP8_TILE_ACCUMULATION); the gradient
-    of pre within 2^-7 of itself plus 2 relu(pre) times the bf16 GEMM's difference, bounded the same
-    way (on CUDA 2^-8 S more, where cuBLAS may reduce split-K sums in bf16)."""
+    for bit. The GEMMs differ by accumulation order, so both paths are held to one error model
+    against float64 products of the same operands: pre is a bf16 rounding of a sum within
+    (fp32_sum_error(K + 1): the sums and the scale; on CUDA FP8_TILE_ACCUMULATION more) S,
+    S = |x_f8| |W1_f8|^T dequant; the gradient of pre is bf16(2 t relu(pre)), t a bf16 rounding of
+    a sum within fp32_sum_error(K) S_t (on CUDA 2^-8 S_t more: cuBLAS may reduce split-K sums in
+    bf16), S_t = |grad_out| |W2|^T. A wrong kernel's error of a bf16 step is outside it."""
     kernels = tg.load_companion("fp8_mlp_kernels.py")
     x_f8, w1_f8, dequant, inv_act, grad_out, w2 = fused_mlp_inputs(device, size)
     k, on_cuda = x_f8.shape[1], device.type == "cuda"
@@ -1047,23 +1058,25 @@ def check_fused_mlp(device, size):
     require((top * top).bfloat16() == want_amax,
             f"the tile maxima {top} against post's amax {want_amax}")
     ref = unfused_up(x_f8, w1_f8, dequant)
-    S = x_f8.float().abs() @ w1_f8.float().abs().T * dequant
-    bound = (2.0 ** -7 * torch.maximum(pre.abs(), ref.abs()).float()
-             + 2 * (fp32_sum_error(k) + FP8_TILE_ACCUMULATION * on_cuda) * S)
-    up_ratio = ((pre.float() - ref.float()).abs() / bound).max().item()
-    got = kernels.relu_square_grad(grad_out, w2, pre)
-    want = unfused_grad(grad_out, w2, pre)
-    t = (grad_out @ w2.T).float()
-    S_t = grad_out.float().abs() @ w2.float().abs().T
-    gemm = 2.0 ** -7 * t.abs() + (2 * fp32_sum_error(k) + 2.0 ** -8 * on_cuda) * S_t
-    bound = (2.0 ** -7 * torch.maximum(got.abs(), want.abs()).float()
-             + 2 * torch.relu(pre.float()) * gemm)
-    grad_ratio = ((got.float() - want.float()).abs() / bound.clamp(min=2.0 ** -133)).max().item()
-    differ = [(a != b).float().mean().item() for a, b in ((pre, ref), (got, want))]
+    a, b = x_f8.double(), w1_f8.double()
+    exact = a @ b.T * dequant.double()
+    sums = a.abs() @ b.abs().T * dequant.double()
+    bound = rounded_bound(exact, (fp32_sum_error(k + 1) + FP8_TILE_ACCUMULATION * on_cuda) * sums)
+    ratios = [worst_ratio(p, exact, bound) for p in (pre, ref)]
+    got, want = kernels.relu_square_grad(grad_out, w2, pre), unfused_grad(grad_out, w2, pre)
+    g, w = grad_out.double(), w2.double()
+    t = g @ w.T
+    twice_relu = 2 * torch.relu(pre.double())
+    t_error = twice_relu * rounded_bound(t, (fp32_sum_error(k) + 2.0 ** -8 * on_cuda)
+                                         * (g.abs() @ w.abs().T))
+    bound = rounded_bound(twice_relu * t, t_error)
+    ratios += [worst_ratio(p, twice_relu * t, bound) for p in (got, want)]
+    differ = [(a != b).double().mean().item() for a, b in ((pre, ref), (got, want))]
     detail = (f"{x_f8.shape[0]:,} tokens, {k} -> {w1_f8.shape[0]}: epilogue exact; error / bound "
-              f"pre {up_ratio:.2f}, grad {grad_ratio:.2f} (entries differing {differ[0]:.1e}, "
+              f"against float64, fused and unfused: pre {ratios[0]:.2f}, {ratios[1]:.2f}; grad "
+              f"{ratios[2]:.2f}, {ratios[3]:.2f} (entries differing {differ[0]:.1e}, "
               f"{differ[1]:.1e})")
-    require(max(up_ratio, grad_ratio) <= 1, detail)
+    require(max(ratios) <= 1, detail)
     return detail
 
 
