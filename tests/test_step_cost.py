@@ -149,7 +149,7 @@ def test_fp8_mlp_weight_gradients_within_the_bf16_error_model():
     grad_out = torch.randn(T, D).bfloat16()
 
     class Ctx:
-        saved_tensors = (x, w1, w2, pre, post)
+        saved_tensors, fused = (x, w1, w2, pre, post), False
 
     _, grad_w1, grad_w2, *_ = tg.FP8ReluSquareMLP.backward(Ctx, grad_out, None)
     assert grad_w1.dtype == grad_w2.dtype == torch.float32
