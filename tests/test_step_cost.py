@@ -52,7 +52,7 @@ def fp32_weight_gradients(ctx, grad_out, _):
     grad_out = grad_out.to(x.dtype)
     grad_pre = 2 * (grad_out @ w2.T.type_as(x)) * torch.relu(pre)
     return (grad_pre @ w1.type_as(x), grad_pre.T.float() @ x.float(), post.T.float() @ grad_out.float(),
-            None, None, None, None, None)
+            None, None, None, None, None, None)
 
 
 @pytest.mark.slow
