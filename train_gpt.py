@@ -1108,6 +1108,7 @@ class Backend(NamedTuple):
     # micro-steps per optimizer step, the one place the accumulation is said: GPT.loss divides the
     # training loss by it; on the GPU the FP8 gradient scale and the loss's grad_scale follow it
     grad_accum: int
+    fused_mlp: bool = False  # the FP8 MLP's GEMMs with their epilogues (fp8_mlp_kernels.py; GPU)
 
 
 class GPT(nn.Module):
@@ -1132,7 +1133,7 @@ class GPT(nn.Module):
         self.grad_accum = backend.grad_accum
         # FP8 copies and scales of the MLP weights, used in training where the head is in FP8 (the
         # scales are in every checkpoint: one written on a GPU resumes on a CPU and back)
-        self.fp8_mlp = FP8MLPWeights(L, 4 * D, D) if hp.fp8_mlp else None
+        self.fp8_mlp = FP8MLPWeights(L, 4 * D, D, backend.fused_mlp) if hp.fp8_mlp else None
         self.mlp_in_fp8 = self.fp8_mlp is not None and backend.fp8_scales is not None
         self.init_embeddings(hp)
         self.smear_gate_w = nn.Parameter(torch.zeros(1, GATE_INPUTS))
@@ -1673,17 +1674,23 @@ class FP8ReluSquareMLP(torch.autograd.Function):
     (1.8 x the previous forward's amax / 448), clamped at 448, into e4m3 against W2 at its delayed
     scale. Backward runs in bf16 from the saved pre- and post-activations; the weight gradients are
     bf16 GEMMs (fp32 accumulation) returned in fp32, as the reference. Also returns amax(post), the
-    next forward's activation amax."""
+    next forward's activation amax. `fused`: the up projection and the gradient of pre as
+    fp8_mlp_kernels.py's ops, relu^2, e4m3 copy, amax and 2 relu(pre) in their GEMMs."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, w1_f8, w1_scale, w2_f8, w2_scale, act_scale):
+    def forward(ctx, x, w1, w2, w1_f8, w1_scale, w2_f8, w2_scale, act_scale, fused=False):
         amax = x.detach().abs().amax().clamp(min=1e-12)
         x_f8 = (x.detach() * (E4M3_MAX / amax)).to(torch.float8_e4m3fn)
         dequant = w1_scale * amax.float() / E4M3_MAX
-        pre = torch._scaled_mm(x_f8, w1_f8.T, scale_a=dequant, scale_b=dequant.new_ones(()),
-                               out_dtype=x.dtype)
-        post = F.relu(pre).square()
-        post_f8 = (post.float() * (1 / act_scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        if fused:
+            pre, post, post_f8, pre_max = torch.ops.speedrun.fp8_up_relu_square(
+                x_f8, w1_f8, dequant, 1 / act_scale)
+        else:
+            pre = torch._scaled_mm(x_f8, w1_f8.T, scale_a=dequant, scale_b=dequant.new_ones(()),
+                                   out_dtype=x.dtype)
+            post = F.relu(pre).square()
+            post_f8 = ((post.float() * (1 / act_scale)).clamp(max=E4M3_MAX)
+                       .to(torch.float8_e4m3fn))
         # the per-layer scales are views into (layers,) buffers, from which Inductor (torch 2.11)
         # cannot lower _scaled_mm's tensorwise scale (LoweringException on the H200); clamp at 0
         # makes each a tensor of its own (no positive scale changes; a clone is elided as a no-op)
@@ -1691,7 +1698,10 @@ class FP8ReluSquareMLP(torch.autograd.Function):
                                scale_b=w2_scale.clamp(min=0), out_dtype=x.dtype,
                                use_fast_accum=True)
         ctx.save_for_backward(x, w1, w2, pre, post)
-        post_amax = post.detach().amax().float()
+        ctx.fused = fused
+        # fused: bf16(max(pre, 0)^2) is post.amax(), as squaring and rounding are monotone on x >= 0
+        top = pre_max.amax().clamp(min=0) if fused else None
+        post_amax = (top * top).bfloat16().float() if fused else post.detach().amax().float()
         ctx.mark_non_differentiable(post_amax)  # it only scales the next forward
         return out, post_amax
 
@@ -1699,9 +1709,12 @@ class FP8ReluSquareMLP(torch.autograd.Function):
     def backward(ctx, grad_out, _):
         x, w1, w2, pre, post = ctx.saved_tensors
         grad_out = grad_out.to(x.dtype)
-        grad_pre = 2 * (grad_out @ w2.T.type_as(x)) * F.relu(pre)
+        if ctx.fused:
+            grad_pre = torch.ops.speedrun.relu_square_grad(grad_out, w2.type_as(x), pre)
+        else:
+            grad_pre = 2 * (grad_out @ w2.T.type_as(x)) * F.relu(pre)
         return (grad_pre @ w1.type_as(x), (grad_pre.T @ x).float(), (post.T @ grad_out).float(),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 class FP8MLPWeights(nn.Module):
@@ -1713,8 +1726,9 @@ class FP8MLPWeights(nn.Module):
 
     W2_HEADROOM, ACT_HEADROOM, BOOTSTRAP_STEPS = 1.12, 1.8, 16
 
-    def __init__(self, layers, hidden, dim):
+    def __init__(self, layers, hidden, dim, fused=False):
         super().__init__()
+        self.fused = fused  # fp8_mlp_kernels.py's ops (Backend.fused_mlp)
         self.register_buffer("act_scales", torch.ones(layers))  # 1.0 at first, as the reference
         self.register_buffer("w2_scales", torch.ones(layers))  # the scale of the current W2 copy
         self.register_buffer("w2_next_scales", torch.ones(layers))
@@ -1761,7 +1775,7 @@ class FP8MLPWeights(nn.Module):
     def forward(self, i, x, fc_w, proj_w):
         out, post_amax = FP8ReluSquareMLP.apply(x, fc_w, proj_w, self.w1_f8[i], self.w1_scales[i],
                                                 self.w2_f8[i], self.w2_scales[i],
-                                                self.act_scales[i])
+                                                self.act_scales[i], self.fused)
         self.act_scales[i].copy_(post_amax.clamp(min=1e-12) * (self.ACT_HEADROOM / E4M3_MAX))
         return out
 
@@ -1794,10 +1808,13 @@ def backend_for(hp, device, accum=1, fp8_hardware=None, attention=None, prior=No
         raise ConfigError("--ngram_prior needs the CPU loss path (the GPU losses add no prior); "
                           "use --device cpu or --ngram_prior 0")
     fp8 = uses_fp8(hp, device, fp8_hardware)
+    fused_mlp = fp8 and hp.fp8_mlp and HAS_TRITON
+    if fused_mlp:
+        load_companion("fp8_mlp_kernels.py")  # registers its ops
     return Backend(attention or flex_attention_for(hp),
                    functools.partial(softcap_cross_entropy, grad_scale=1 / accum),
                    head_fp8_scales(hp.head_fp8_amax, accum) if fp8 else None,
-                   True, True, GPU_POLAR_EXPRESS, hp.compile, accum)
+                   True, True, GPU_POLAR_EXPRESS, hp.compile, accum, fused_mlp)
 
 
 def build_model(hp, device, accum=1):
@@ -3295,7 +3312,8 @@ def companion_files(hp):  # files a run may load beside this script; logged afte
     return (["track3.py"] * (hp.matrix_optimizer != "normuon")
             + ["ngram_prior.py"] * (hp.ngram_prior > 0)
             + ["data/synthetic.py"] * hp.synthetic_fallback
-            + ["flex_flash.py"] * (hp.flex_backend == "flash"))
+            + ["flex_flash.py"] * (hp.flex_backend == "flash")
+            + ["fp8_mlp_kernels.py"] * (hp.fp8_mlp and hp.fp8 != "off" and hp.device != "cpu"))
 
 
 def load_companion(name):

@@ -7,14 +7,16 @@ from pathlib import Path
 import train_gpt as tg
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = [ROOT / "train_gpt.py", ROOT / "track3.py", ROOT / "ngram_prior.py", ROOT / "flex_flash.py"]
+CODE = [ROOT / name for name in ("train_gpt.py", "track3.py", "ngram_prior.py", "flex_flash.py",
+                                "fp8_mlp_kernels.py")]
 MAX_COLUMNS = 100
 # Growth guards, set at this round's sizes (the issue's 2,500 and 4,000 were measured on the file before
 # it was wrapped to 100 columns; its code lines alone are ~3,300 now): the recipe, before the fence, and
 # the whole file (4,700: issue 55's bookkeeping, ported after the fence, took ~140 lines; 4,701: issue 53's
 # --flex_backend, whose companion file flex_flash.py holds the rest; 3,200 and 4,800: issue 53's sparse
-# exchange of the bigram table's gradient, ~95 lines on the record path)
-RECORD_PATH_LINES, FILE_LINES = 3200, 4800
+# exchange of the bigram table's gradient, ~95 lines on the record path; 3,220 and 4,820: issue 53's
+# fused FP8 MLP, whose kernels are in its companion file fp8_mlp_kernels.py)
+RECORD_PATH_LINES, FILE_LINES = 3220, 4820
 FENCE = "# " + "=" * 94
 
 

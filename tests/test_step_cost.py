@@ -52,7 +52,7 @@ def fp32_weight_gradients(ctx, grad_out, _):
     grad_out = grad_out.to(x.dtype)
     grad_pre = 2 * (grad_out @ w2.T.type_as(x)) * torch.relu(pre)
     return (grad_pre @ w1.type_as(x), grad_pre.T.float() @ x.float(), post.T.float() @ grad_out.float(),
-            None, None, None, None, None)
+            None, None, None, None, None, None)
 
 
 @pytest.mark.slow
@@ -149,7 +149,7 @@ def test_fp8_mlp_weight_gradients_within_the_bf16_error_model():
     grad_out = torch.randn(T, D).bfloat16()
 
     class Ctx:
-        saved_tensors = (x, w1, w2, pre, post)
+        saved_tensors, fused = (x, w1, w2, pre, post), False
 
     _, grad_w1, grad_w2, *_ = tg.FP8ReluSquareMLP.backward(Ctx, grad_out, None)
     assert grad_w1.dtype == grad_w2.dtype == torch.float32
@@ -242,6 +242,28 @@ def test_linear_relu_square_stand_ins():
     ops, ledger = traced_ops(lambda g, w2, pre: rs.linear_relu_square(g, w2, aux=pre),
                              ((M, K), BF16), ((N, K), BF16), ((M, N), BF16))
     op = only_op(ops, "linear_relu_square_backward")
+    assert (op.kind, op.flops) == ("matmul bf16", 2 * M * N * K)
+    assert ledger.op_bytes(op) == (2 * (M * K + N * K + M * N), 2 * M * N)
+
+
+@pytest.mark.skipif(not tg.HAS_TRITON, reason="the fused FP8 MLP's ops need Triton")
+def test_fused_mlp_ops_are_priced_as_their_gemms():
+    """fp8_mlp_kernels.py's ops. Up projection: 2 M N K FLOPs as an FP8 GEMM; reads x and W1 in e4m3
+    and two scales, writes pre and post (bf16), post in e4m3 and one fp32 maximum per output tile.
+    relu^2 gradient: 2 M N K in bf16, reading the gradient, W2 and pre, writing the gradient of pre.
+    Error model: none (integers)."""
+    M, N, K = 512, 3072, 768
+    kernels = sc.fused_mlp_kernels()
+    block_m, block_n = kernels.UP_TILE[:2]
+    tiles = (M // block_m) * (N // block_n)
+    ops, ledger = traced_ops(torch.ops.speedrun.fp8_up_relu_square, ((M, K), E4M3), ((N, K), E4M3),
+                             ((), F32), ((), F32))
+    op = only_op(ops, "fp8_up_relu_square")
+    assert (op.kind, op.flops, op.tiles) == ("matmul fp8", 2 * M * N * K, tiles)
+    assert ledger.op_bytes(op) == (M * K + N * K + 8, 2 * 2 * M * N + M * N + 4 * tiles)
+    ops, ledger = traced_ops(torch.ops.speedrun.relu_square_grad, ((M, K), BF16), ((N, K), BF16),
+                             ((M, N), BF16))
+    op = only_op(ops, "relu_square_grad")
     assert (op.kind, op.flops) == ("matmul bf16", 2 * M * N * K)
     assert ledger.op_bytes(op) == (2 * (M * K + N * K + M * N), 2 * M * N)
 

@@ -144,7 +144,8 @@ def assert_counts(lines, found):
 def test_gpu_smoke_script_dry_run():
     """tools/gpu_smoke.sh --dry-run, with this interpreter: the plan first (every compile CUDA would make,
     and the budget of its table: at most 420 s, leaving a rerun in a 600 s command), then every check at toy
-    sizes on CPU, each with its seconds and budget; none fails, and the only SKIPs are the CUDA-only checks."""
+    sizes on CPU, each with its seconds and budget; none fails, and the only SKIPs are the
+    CUDA-only checks and those this CPU cannot run."""
     result = run_smoke("--deadline", "100000")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     lines = result.stdout.splitlines()
@@ -163,7 +164,9 @@ def test_gpu_smoke_script_dry_run():
     # are what a lend's --deadline may cut
     assert sum(c.own_budget_s(torch.device("cuda")) for c in cuda_plan._planned() if not c.info) <= 420
     assert f"`{cuda_plan.plan_line()}`" in (ROOT / "docs" / "gpu-smoke.md").read_text(encoding="utf-8")  # its example
-    assert {n for n, status in found.items() if status == "SKIP"} == {c.name for c in cuda_plan.checks if c.cuda_only}
+    cpu = torch.device("cpu")
+    assert ({n for n, status in found.items() if status == "SKIP"}
+            == {c.name for c in smoke_checks.SmokePlan(cpu, None).checks if c.skip_reason(cpu)})
     assert "FAIL" not in found.values() and found["train_steps_move_every_parameter"] == "PASS"
     assert lines[-2].startswith("PASS overall") and "failed: none" in lines[-2]
     assert_counts(lines, found)
@@ -189,7 +192,8 @@ def test_gpu_smoke_deadline_skips_what_would_end_past_it():
     # the timed loop's checks need 8 + 8 + 6 s of the record run's phases on top of their own: never in 20 s
     assert {"compiles_in_timed_loop", "host_syncs_per_step", "compiled_vs_eager"} <= set(late), found
     assert plan.budget_s(plan.check("compiles_in_timed_loop")) > 20
-    assert not [n for n, status in found.items() if status == "SKIP" and not plan.check(n).cuda_only]
+    assert not [n for n, status in found.items()
+                if status == "SKIP" and not plan.check(n).skip_reason(torch.device("cpu"))]
     assert f"--only {','.join(late)}" in lines[-3]
     assert_counts(lines, found)
 

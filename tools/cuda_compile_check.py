@@ -992,6 +992,27 @@ class RecordRun:
             "ba_plus_caa": self.tg._ba_plus_caa_kernel,
         }, self.tg.SYM_CONFIGS
 
+    def fused_mlp_launches(self):
+        """The fused FP8 MLP's two Triton launchers (fp8_mlp_kernels.py) with meta arguments at the
+        record's shapes: {name: (launcher, arguments)}."""
+        kernels = self.tg.load_companion("fp8_mlp_kernels.py")
+        dim, hidden = self.hp.model_dim, 4 * self.hp.model_dim
+
+        def meta(*shape, dtype=torch.bfloat16):
+            return torch.empty(*shape, dtype=dtype, device="meta")
+
+        f8, scale = torch.float8_e4m3fn, meta((), dtype=torch.float32)
+        return {
+            "up projection": (
+                kernels.launch_up_relu_square,
+                (meta(self.tokens, dim, dtype=f8), meta(hidden, dim, dtype=f8), scale, scale),
+            ),
+            "relu-square gradient": (
+                kernels.launch_relu_square_grad,
+                (meta(self.tokens, dim), meta(hidden, dim), meta(self.tokens, hidden)),
+            ),
+        }
+
     def polar_sizes_of_smoke_checks(self):
         """The Polar Express check's MLP stack and the tile-configuration check's shape (m <= n)."""
         import smoke_checks
@@ -1026,7 +1047,7 @@ def triton_specialization(args):
 
 def record_graphs(run, world_sizes=(1, 8)):
     """The record run's compiles, in the smoke's order of value: the model's, the FP8 helpers', the
-    optimizers' math at each world size, Polar Express's kernels."""
+    optimizers' math at each world size, Polar Express's kernels, the fused FP8 MLP's kernels."""
     graphs = [
         Graph(
             f"training step at {run.tokens:,} tokens (step {run.step}, forward+backward)",
@@ -1081,7 +1102,7 @@ def record_graphs(run, world_sizes=(1, 8)):
                     lambda args, fn=fn: lower_function(fn, args),
                 )
             )
-    return graphs + polar_graphs(run, polar_sizes)
+    return graphs + polar_graphs(run, polar_sizes) + fused_mlp_graphs(run)
 
 
 def polar_graphs(run, optimizer_sizes):
@@ -1110,6 +1131,33 @@ def polar_graphs(run, optimizer_sizes):
                 )
             )
     return graphs
+
+
+def launch_compiling_only(prepared):
+    """A Triton launcher's call, its kernels compiled for sm_90 and not launched."""
+    from triton.runtime.jit import JITFunction
+
+    fn, args, kwargs = prepared
+    with _Patches() as patch:
+        patch(JITFunction, "run", compile_only_launches(JITFunction.run))
+        fn(*args, **kwargs)
+
+
+def fused_mlp_graphs(run):
+    """The fused FP8 MLP's Triton kernels (opaque custom ops in the training graph) through their
+    launchers at the record's shapes."""
+    try:
+        launches = run.fused_mlp_launches()
+    except Exception as e:
+        return [Graph("fused FP8 MLP's Triton kernels", _raiser(e), None)]
+    return [
+        Graph(
+            f"fused FP8 MLP {name} kernel at {run.tokens:,} tokens",
+            lambda launch=launch: (*launch, {}),
+            launch_compiling_only,
+        )
+        for name, launch in launches.items()
+    ]
 
 
 def _raiser(error):
@@ -1213,8 +1261,6 @@ def compile_only_launches(run):
 def reference_graphs(log_path):
     """#89's Triton kernels (its log's triton_kernels.py), one graph per launcher and argument key
     its script calls in a stage-3 step, compiled for sm_90 through the launchers themselves."""
-    from triton.runtime.jit import JITFunction
-
     folder = tempfile.TemporaryDirectory(prefix="cuda-compile-check-reference-")
     loaded = {}
 
@@ -1226,12 +1272,6 @@ def reference_graphs(log_path):
                 "a CUDA C++ kernel that NVRTC builds with a device at import, not Triton"
             )
         return getattr(loaded["module"], name)
-
-    def launch(prepared):
-        fn, args, kwargs = prepared
-        with _Patches() as patch:
-            patch(JITFunction, "run", compile_only_launches(JITFunction.run))
-            fn(*args, **kwargs)
 
     graphs = []
     for key, (args, kwargs) in sorted(reference_launches(log_path).items(), key=str):
@@ -1245,7 +1285,7 @@ def reference_graphs(log_path):
             Graph(
                 f"reference {name} at {shapes}",
                 lambda name=name, args=args, kwargs=kwargs: (launcher(name), args, kwargs),
-                launch,
+                launch_compiling_only,
             )
         )
     return graphs, folder

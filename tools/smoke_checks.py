@@ -970,6 +970,155 @@ def check_mlp_weight_gradients(device, size):
     return detail
 
 
+# The FP8 tensor cores' accumulation within one K tile (the fused kernel and cuBLAS both promote to
+# fp32 every 128 products): about 14 bits kept (DeepSeek-V3 technical report, 2024, section 3.3.2,
+# on H800), taken as 2^-13 of the tile's sum of |products|
+FP8_TILE_ACCUMULATION = 2.0 ** -13
+
+
+def fused_mlp_cpu_skip():
+    """Why the fused FP8 MLP's kernels cannot run on this CPU ('' when they can: Triton's
+    interpreter with FP8 dots)."""
+    if not tg.HAS_TRITON:
+        return "no Triton here"
+    if not tg.load_companion("fp8_mlp_kernels.py").interpreter_computes_fp8():
+        return (f"Triton {sys.modules['triton'].__version__}'s interpreter (TRITON_INTERPRET=1) "
+                f"does not compute FP8 dots")
+    return ""
+
+
+def fused_mlp_inputs(device, size):
+    """The FP8 MLP's operands at the head check's tokens: x and W1 in e4m3 with their
+    dequantization scale, 1 / act_scale (the model's headroom over this post's amax), the gradient
+    and W2 in bf16."""
+    tokens, dim, _ = size.head
+    hidden = 4 * dim
+    g = torch.Generator(device=device).manual_seed(5)
+    x = torch.randn(tokens, dim, device=device, generator=g)
+    w1 = torch.randn(hidden, dim, device=device, generator=g) * dim ** -0.5
+    x_scale, w1_scale = x.abs().amax() / 448, w1.abs().amax() / 448
+    x_f8, w1_f8 = ((t / s).to(torch.float8_e4m3fn) for t, s in ((x, x_scale), (w1, w1_scale)))
+    dequant = x_scale * w1_scale
+    post_amax = (x_f8.float() @ w1_f8.float().T * dequant).clamp(min=0).amax() ** 2
+    inv_act_scale = 448 / (post_amax * tg.FP8MLPWeights.ACT_HEADROOM)
+    grad_out = torch.randn(tokens, dim, device=device, generator=g).bfloat16()
+    w2 = (torch.randn(hidden, dim, device=device, generator=g) * hidden ** -0.5).bfloat16()
+    return x_f8, w1_f8, dequant, inv_act_scale, grad_out, w2
+
+
+def unfused_up(x_f8, w1_f8, dequant):
+    """FP8ReluSquareMLP.forward's unfused up projection."""
+    return torch._scaled_mm(x_f8, w1_f8.T, scale_a=dequant, scale_b=dequant.new_ones(()),
+                            out_dtype=torch.bfloat16)
+
+
+def unfused_epilogue(pre, inv_act_scale):
+    """FP8ReluSquareMLP.forward's unfused post, post_f8 and post's amax."""
+    post = torch.relu(pre).square()
+    return post, (post.float() * inv_act_scale).clamp(max=448).to(torch.float8_e4m3fn), post.amax()
+
+
+def unfused_grad(grad_out, w2, pre):
+    return 2 * (grad_out @ w2.T) * torch.relu(pre)
+
+
+def fp32_sum_error(k):
+    """Bound on |an fp32 sum of k products - the exact sum| / the sum of |products|."""
+    return k * 2.0 ** -24
+
+
+def rounded_bound(exact, delta):
+    """Bound on |bf16(y) - exact| where |y - exact| <= delta: half a bf16 step (2^-8, 8 significant
+    bits) of |y| <= |exact| + delta, plus delta."""
+    return 2.0 ** -8 * (exact.abs() + delta) + delta
+
+
+def worst_ratio(got, exact, bound):
+    return ((got.double() - exact).abs() / bound.clamp(min=2.0 ** -133)).max().item()
+
+
+def check_fused_mlp(device, size):
+    """fp8_mlp_kernels.py's ops against the unfused path (FP8ReluSquareMLP's torch ops). The
+    epilogue is exact: post, post_f8 and the tile maxima are the torch ops' of the fused pre, bit
+    for bit. The GEMMs differ by accumulation order, so both paths are held to one error model
+    against float64 products of the same operands: pre is a bf16 rounding of a sum within
+    (fp32_sum_error(K + 1): the sums and the scale; on CUDA FP8_TILE_ACCUMULATION more) S,
+    S = |x_f8| |W1_f8|^T dequant; the gradient of pre is bf16(2 t relu(pre)), t a bf16 rounding of
+    a sum within fp32_sum_error(K) S_t (on CUDA 2^-8 S_t more: cuBLAS may reduce split-K sums in
+    bf16), S_t = |grad_out| |W2|^T. A wrong kernel's error of a bf16 step is outside it."""
+    kernels = tg.load_companion("fp8_mlp_kernels.py")
+    x_f8, w1_f8, dequant, inv_act, grad_out, w2 = fused_mlp_inputs(device, size)
+    k, on_cuda = x_f8.shape[1], device.type == "cuda"
+    pre, post, post_f8, tile_max = kernels.up_relu_square(x_f8, w1_f8, dequant, inv_act)
+    want_post, want_f8, want_amax = unfused_epilogue(pre, inv_act)
+    require(torch.equal(post, want_post) and torch.equal(post_f8.view(torch.uint8),
+                                                         want_f8.view(torch.uint8)),
+            "the fused epilogue's post or post_f8 differs from relu(pre)^2 and its e4m3 copy")
+    top = tile_max.amax().clamp(min=0)
+    require((top * top).bfloat16() == want_amax,
+            f"the tile maxima {top} against post's amax {want_amax}")
+    ref = unfused_up(x_f8, w1_f8, dequant)
+    a, b = x_f8.double(), w1_f8.double()
+    exact = a @ b.T * dequant.double()
+    sums = a.abs() @ b.abs().T * dequant.double()
+    bound = rounded_bound(exact, (fp32_sum_error(k + 1) + FP8_TILE_ACCUMULATION * on_cuda) * sums)
+    ratios = [worst_ratio(p, exact, bound) for p in (pre, ref)]
+    got, want = kernels.relu_square_grad(grad_out, w2, pre), unfused_grad(grad_out, w2, pre)
+    g, w = grad_out.double(), w2.double()
+    t = g @ w.T
+    twice_relu = 2 * torch.relu(pre.double())
+    t_error = twice_relu * rounded_bound(t, (fp32_sum_error(k) + 2.0 ** -8 * on_cuda)
+                                         * (g.abs() @ w.abs().T))
+    bound = rounded_bound(twice_relu * t, t_error)
+    ratios += [worst_ratio(p, twice_relu * t, bound) for p in (got, want)]
+    differ = [(a != b).double().mean().item() for a, b in ((pre, ref), (got, want))]
+    detail = (f"{x_f8.shape[0]:,} tokens, {k} -> {w1_f8.shape[0]}: epilogue exact; error / bound "
+              f"against float64, fused and unfused: pre {ratios[0]:.2f}, {ratios[1]:.2f}; grad "
+              f"{ratios[2]:.2f}, {ratios[3]:.2f} (entries differing {differ[0]:.1e}, "
+              f"{differ[1]:.1e})")
+    require(max(ratios) <= 1, detail)
+    return detail
+
+
+def unfused_forward(x_f8, w1_f8, dequant, inv_act_scale):
+    return unfused_epilogue(unfused_up(x_f8, w1_f8, dequant), inv_act_scale)
+
+
+def report_fused_mlp_speed(device, size):
+    """The fused ops against the unfused path compiled as training compiles it (_scaled_mm, then one
+    kernel for relu^2, the e4m3 copy and the amax; the bf16 GEMM, then 2 t relu(pre)): the first
+    calls compile (timed apart), then the medians."""
+    x_f8, w1_f8, dequant, inv_act, grad_out, w2 = fused_mlp_inputs(device, size)
+    pre = unfused_up(x_f8, w1_f8, dequant)
+    kernels = tg.load_companion("fp8_mlp_kernels.py")
+    up_args = (x_f8, w1_f8, dequant, inv_act)
+    runs = {"up": (lambda: kernels.up_relu_square(*up_args),
+                   functools.partial(torch.compile(unfused_forward), *up_args)),
+            "grad": (lambda: kernels.relu_square_grad(grad_out, w2, pre),
+                     functools.partial(torch.compile(unfused_grad), grad_out, w2, pre))}
+    start = time.perf_counter()
+    for fused, unfused in runs.values():
+        fused(), unfused()
+    synchronize(device)
+    report_compile(device, fused_mlp_speed_graphs(size), time.perf_counter() - start)
+    ms = {(name, i): median_ms(fn, device, size.timing_repeats)
+          for name, pair in runs.items() for i, fn in enumerate(pair)}
+    return (f"FP8 MLP at {x_f8.shape[0]:,} tokens, {x_f8.shape[1]} -> {w1_f8.shape[0]}: up "
+            f"projection with relu^2 fused {ms['up', 0]:.3f} ms, unfused {ms['up', 1]:.3f} ms; "
+            f"relu^2 gradient fused {ms['grad', 0]:.3f} ms, unfused {ms['grad', 1]:.3f} ms "
+            f"(fused / unfused {ms['up', 0] / ms['up', 1]:.2f}, {ms['grad', 0] / ms['grad', 1]:.2f})")
+
+
+def fused_mlp_graphs(size):
+    return [("triton", f"the fused FP8 MLP's up projection kernel at {size.head[0]:,} tokens"),
+            ("triton", "its relu^2 gradient kernel")]
+
+
+def fused_mlp_speed_graphs(size):
+    return [("fp8", f"the unfused FP8 MLP up projection and epilogue at {size.head[0]:,} tokens"),
+            ("fp8", "the unfused relu^2 gradient")]
+
+
 def check_attention_vs_naive(device, size):
     """The device's attention (a compiled FlexAttention kernel on CUDA: the block-sparse kernel; tiled SDPA
     on the CPU) against a naive masked softmax, forward and backward, for packed documents (one of a single
@@ -1025,10 +1174,19 @@ class Check:
     info: bool = False  # a measurement: INFO, never FAIL
     then: Callable[[], None] = None  # runs after it, whatever its outcome
     needs: tuple = ()  # the checks whose work runs first when they have not (the record run's phases)
+    cpu_skip: Callable[[], str] = None  # why it cannot run on this CPU ('' when it can): SKIP there
+
+    def skip_reason(self, device):
+        """Why it does not run on `device` ('' when it does)."""
+        if device.type == "cuda":
+            return ""
+        if self.cuda_only:
+            return f"needs CUDA: {self.cuda_only}"
+        return self.cpu_skip() if self.cpu_skip else ""
 
     def own_budget_s(self, device):
         if device.type != "cuda":
-            return 0 if self.cuda_only else self.work_s[1]
+            return 0 if self.skip_reason(device) else self.work_s[1]
         return self.work_s[0] + compile_estimate_s(self.graphs)
 
 
@@ -1062,6 +1220,8 @@ class SmokePlan:
             Check("fp8_head", lambda: check_fp8_head(d, s), (5, 2), compiles(lambda: fp8_head_graphs(record, s))),
             Check("fused_fp8_loss", lambda: check_fused_fp8_loss(d, s), (5, 3), compiles(lambda: fused_loss_graphs(s))),
             Check("mlp_weight_gradients", lambda: check_mlp_weight_gradients(d, s), (5, 2)),
+            Check("fused_mlp", lambda: check_fused_mlp(d, s), (5, 2),
+                  compiles(lambda: fused_mlp_graphs(s)), cpu_skip=fused_mlp_cpu_skip),
             Check("polar_express_triton", lambda: check_polar_express_triton(d, s), (5, 3),
                   compiles(lambda: polar_check_graphs(record, s))),
             Check("attention_vs_naive", lambda: check_attention_vs_naive(d, s), (10, 3),
@@ -1073,6 +1233,9 @@ class SmokePlan:
                   cuda_only="FP8 hardware speed: no FP8 tensor cores on a CPU"),
             Check("triton_speed", lambda: report_triton_speed(d, s), (5, 1), info=True,
                   cuda_only="compiled Triton kernels: the CPU runs them in the interpreter"),
+            Check("fused_mlp_speed", lambda: report_fused_mlp_speed(d, s), (5, 1),
+                  compiles(lambda: fused_mlp_speed_graphs(s)), info=True,
+                  cuda_only="FP8 hardware speed: no FP8 tensor cores on a CPU"),
         ]
         if with_pytest:  # heavy: its own process runs these checks again, and tests/test_kernels.py
             checks.append(Check("gpu_tests", lambda: run_pytest(d), (60 + sum(c.work_s[0] for c in checks), 120),
@@ -1127,15 +1290,15 @@ class SmokePlan:
         return line if on_cuda is self else f"{line} (CPU dry run; on CUDA: {on_cuda.budget_s():.0f} s)"
 
     def skips_here(self, check):
-        """A CUDA-only check on the CPU."""
-        return bool(check.cuda_only) and self.device.type != "cuda"
+        """A CUDA-only check on the CPU, or one this CPU cannot run."""
+        return bool(check.skip_reason(self.device))
 
     def run(self, check):
         """(status, detail, seconds) of one check: PASS/FAIL, INFO for a measurement, SKIP for a CUDA-only
         check on the CPU; an error is a FAIL with its first line."""
         self.done.update(c.name for c in self._with_needs(check, self.done))
         if self.skips_here(check):
-            return "SKIP", f"needs CUDA: {check.cuda_only}", 0.0
+            return "SKIP", check.skip_reason(self.device), 0.0
         start = time.perf_counter()
         try:
             detail, status = check.run(), "INFO" if check.info else "PASS"

@@ -6,8 +6,9 @@
 For each stage of the run it traces one training step of rank 0 of N ranks (the forward and backward of
 every micro-step piece, then the optimizer step) on fake tensors, the way train_gpt.py's memory plan does:
 shapes and dtypes only, no GPU and no data. Every op of the GPU path is counted: the FP8 head and its loss
-(the FP8 custom op's eager body, casts and transposes included), the FP8 MLP, a fused-attention stand-in with
-FlexAttention's block mask and footprint, the optimizers with their collectives (a fake process group).
+(the FP8 custom op's eager body, casts and transposes included), the FP8 MLP (its fused Triton ops as
+GEMMs), a fused-attention stand-in with FlexAttention's block mask and footprint, the optimizers with
+their collectives (a fake process group).
 With --reference LOG it traces a modded-nanogpt record's own step the same way (tools/reference_step.py) and
 prints the two side by side.
 
@@ -131,6 +132,35 @@ ALLOCATION_ONLY = {"new_empty", "new_empty_strided", "empty_like", "empty", "emp
 METADATA = {"size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "dim", "is_contiguous",
             "storage_offset", "sym_storage_offset", "is_strides_like_format", "is_non_overlapping_and_dense",
             "_local_scalar_dense", "detach", "alias", "lift_fresh"}
+
+
+# ---- the fused FP8 MLP's Triton ops (fp8_mlp_kernels.py, the GPU path with Triton): a GEMM of (M, K)
+# against (N, K) with its epilogue, 2 M N K FLOPs at the FP8 (up projection) or bf16 (the relu^2
+# gradient) matmul rate; their bytes are the ledger's, the operands they read and every output they
+# store (pre, post and post_f8 of the up projection, its tile maxima)
+FUSED_MLP_KINDS = {"fp8_up_relu_square": "matmul fp8", "relu_square_grad": "matmul bf16"}
+
+
+def fused_mlp_kernels():
+    """fp8_mlp_kernels.py, its ops registered (None without Triton: the GPU path runs unfused)."""
+    return tg.load_companion("fp8_mlp_kernels.py") if tg.HAS_TRITON else None
+
+
+def fused_mlp_gemm_flops(a_shape, b_shape, *args, **kwargs):
+    (m, k), n = a_shape, b_shape[0]
+    return 2 * m * n * k
+
+
+def fused_mlp_tiles(name, args):
+    """The programs (output tiles) a fused MLP op launches, at its kernel's tile."""
+    kernels = fused_mlp_kernels()
+    tile = kernels.UP_TILE if name == "fp8_up_relu_square" else kernels.GRAD_TILE
+    return kernels.tile_count(args[0].shape[0], args[1].shape[0], tile)
+
+
+if fused_mlp_kernels():
+    for _op in (torch.ops.speedrun.fp8_up_relu_square, torch.ops.speedrun.relu_square_grad):
+        register_flop_formula(_op)(fused_mlp_gemm_flops)
 
 
 # ---- the fused attention stand-in: FlexAttention's visible blocks, FusedAttentionFootprint's bytes
@@ -348,6 +378,8 @@ class Ledger(LiveMemory):
         elif func.namespace == reference_step.NAMESPACE:
             for field, value in reference_step.stand_in_kernel(op.name, args).items():
                 setattr(op, field, value)
+        elif func.namespace == "speedrun" and op.name in FUSED_MLP_KINDS:
+            op.tiles = fused_mlp_tiles(op.name, args)
         elif op.kind.startswith("matmul") and largest is not None:
             op.tiles = gemm_tiles(largest.shape)
         if op.fusable:
@@ -393,6 +425,8 @@ class Ledger(LiveMemory):
             return "attention"
         if func.namespace == reference_step.NAMESPACE:
             return reference_step.stand_in_kind(name)
+        if func.namespace == "speedrun" and name in FUSED_MLP_KINDS:
+            return FUSED_MLP_KINDS[name]
         if name in MATMULS:
             if name == "_scaled_mm":
                 return "matmul fp8"

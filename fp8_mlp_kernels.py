@@ -1,0 +1,227 @@
+"""The FP8 MLP's two GEMMs with their pointwise work in the epilogue (train_gpt.py loads this file
+on the GPU path when the MLP runs in FP8; docs/fp8-mlp-kernels.md):
+
+- speedrun::fp8_up_relu_square: pre = bf16(dequant * x_f8 @ w1_f8^T), post = bf16(relu(pre)^2),
+  post_f8 = e4m3(min(post * inv_act_scale, 448)) and each tile's max(pre, 0) for the next forward's
+  activation amax, in one pass over the output (record #89's `linear_relu_square` does the same);
+- speedrun::relu_square_grad: bf16(2 * bf16(grad_out @ w2^T) * relu(pre)), the gradient of pre.
+
+They are torch.library custom ops, opaque to torch.compile, whose implementation launches Triton
+kernels: on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, the tests)."""
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+E4M3_MAX = tl.constexpr(448.0)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). The bf16 gradient GEMM has record #89's tile. The FP8
+# up projection has half its columns: record #89's 128 x 256 tile keeps 128 fp32 accumulator
+# registers a thread, and promoting the FP8 accumulator (below) needs a second one as large, past
+# sm_90's 255 registers (ptxas spills 1,056 B; 444 B with the epilogue in halves)
+UP_TILE = (128, 128, 128, 8, 3)
+GRAD_TILE = (128, 256, 64, 8, 3)
+GROUP_M = 8  # row tiles per group: neighbouring programs share a band of W's columns in L2
+# The FP8 dot's accumulator is promoted to fp32 registers every K tile (128 elements), as cuBLAS
+# accumulates the unfused path's _scaled_mm (use_fast_accum=False), rather than Triton's default on
+# Hopper, which keeps the tensor core's narrower accumulator for the whole K loop
+UP_IMPRECISE_ACC = UP_TILE[2]
+
+
+@triton.jit
+def _tile_origin(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """This program's output tile's first row and column, in groups of GROUP row tiles."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP * tiles_n)
+    first_m = group * GROUP
+    group_rows = min(tiles_m - first_m, GROUP)
+    pid_m = first_m + (pid % (GROUP * tiles_n)) % group_rows
+    pid_n = (pid % (GROUP * tiles_n)) // group_rows
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 rounded to the nearest bf16 (ties to even), kept in fp32, by its bits: Triton's
+    interpreter truncates in its own cast, so the kernels round here, and the casts that store the
+    values are exact on a GPU and in the tests alike."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _round_e4m3(x):
+    """x in [0, 448] (or NaN) rounded to the nearest e4m3 value (ties to even), kept in fp32, for
+    the same reason: the interpreter's cast rounds ties away and drops a carry into the exponent.
+    Normal values by their bits (3 mantissa bits kept); below 2^-6 to multiples of 2^-9 by fp32's
+    own rounding of x + 2^14."""
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    subnormal = (x + 16384.0) - 16384.0
+    return tl.where(x < 0.015625, subnormal, tl.where(x != x, x, normal))
+
+
+@triton.jit
+def _a_times_b_t(a_ptr, b_ptr, rm, rn, M, N, K, s_am, s_bn, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) tile of A @ B^T in fp32, A (M, K) and B (N, K) row-major; UPCAST:
+    the operands as fp32 (Triton 3.6's interpreter multiplies bf16 operands' raw bits)."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + rn[:, None] * s_bn + kk[None, :],
+                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE_ACC,
+                     input_precision="ieee" if UPCAST else None)
+    return acc
+
+
+@triton.jit
+def _up_epilogue(acc, rm, rn, M, N, pre_ptr, post_ptr, post_f8_ptr, inv_act):
+    """Stores pre, post and post_f8 of a block of the scaled fp32 sums; returns its max(pre, 0)."""
+    # the rounding points of the unfused path: _scaled_mm's scaled fp32 result to bf16, relu and
+    # square in fp32 (exact for a bf16 value) to bf16, its fp32 product with 1 / act_scale to e4m3
+    pre = _round_bf16(acc)
+    relu = tl.maximum(pre, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    post = _round_bf16(relu * relu)
+    post_f8 = _round_e4m3(tl.minimum(post * inv_act, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL))
+    at = rm[:, None] * N + rn[None, :]
+    inside = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(pre_ptr + at, pre.to(tl.bfloat16), mask=inside)
+    tl.store(post_ptr + at, post.to(tl.bfloat16), mask=inside)
+    tl.store(post_f8_ptr + at, post_f8.to(tl.float8e4nv), mask=inside)
+    # rows and columns outside the output are 0 here (masked loads), as relu leaves them
+    return tl.max(tl.max(relu, axis=1), axis=0)
+
+
+@triton.jit
+def _up_relu_square_kernel(x_ptr, w_ptr, pre_ptr, post_ptr, post_f8_ptr, pre_max_ptr,
+                           dequant_ptr, inv_act_ptr, M, N, K, s_xm, s_wn,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP: tl.constexpr, IMPRECISE_ACC: tl.constexpr):
+    row0, col0 = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP)
+    rm, rn = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
+    acc = _a_times_b_t(x_ptr, w_ptr, rm, rn, M, N, K, s_xm, s_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                       IMPRECISE_ACC, False)
+    acc = acc * tl.load(dequant_ptr)
+    # the epilogue a half tile at a time (its left and right BLOCK_N / 2 columns), as record #89's
+    # kernel, fewer values and pointers live at once: 183 registers on sm_90 rather than 254
+    left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    half = tl.arange(0, BLOCK_N // 2)
+    inv_act = tl.load(inv_act_ptr)
+    left_max = _up_epilogue(left, rm, col0 + half, M, N, pre_ptr, post_ptr, post_f8_ptr, inv_act)
+    right_max = _up_epilogue(right, rm, col0 + BLOCK_N // 2 + half, M, N, pre_ptr, post_ptr,
+                             post_f8_ptr, inv_act)
+    tl.store(pre_max_ptr + tl.program_id(0), tl.maximum(left_max, right_max))
+
+
+@triton.jit
+def _relu_square_grad_kernel(g_ptr, w_ptr, pre_ptr, out_ptr, M, N, K, s_gm, s_wn,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr):
+    row0, col0 = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP)
+    rm, rn = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
+    acc = _a_times_b_t(g_ptr, w_ptr, rm, rn, M, N, K, s_gm, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, 0,
+                       UPCAST)
+    at = rm[:, None] * N + rn[None, :]
+    inside = (rm[:, None] < M) & (rn[None, :] < N)
+    pre = tl.load(pre_ptr + at, mask=inside, other=0.0).to(tl.float32)
+    relu = tl.maximum(pre, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    # the unfused path rounds the bf16 GEMM's result, then 2 * it * relu(pre) once (the product
+    # of two bf16 values is exact in fp32)
+    grad_pre = 2 * _round_bf16(acc) * relu
+    tl.store(out_ptr + at, _round_bf16(grad_pre).to(tl.bfloat16), mask=inside)
+
+
+def tile_count(m, n, tile):
+    return triton.cdiv(m, tile[0]) * triton.cdiv(n, tile[1])
+
+
+def _check_rows(name, *tensors):
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: operands must be row-major (stride 1 along K), got strides "
+                             f"{t.stride()}")
+
+
+def launch_up_relu_square(x_f8, w1_f8, dequant, inv_act_scale, tile=UP_TILE):
+    """(pre, post, post_f8, per-tile max(pre, 0)) of x_f8 (M, K) e4m3 against w1_f8 (N, K)."""
+    _check_rows("fp8_up_relu_square", x_f8, w1_f8)
+    (m, k), n = x_f8.shape, w1_f8.size(0)
+    block_m, block_n, block_k, warps, stages = tile
+    pre = x_f8.new_empty(m, n, dtype=torch.bfloat16)
+    post = torch.empty_like(pre)
+    post_f8 = x_f8.new_empty(m, n, dtype=torch.float8_e4m3fn)
+    pre_max = x_f8.new_empty(tile_count(m, n, tile), dtype=torch.float32)
+    _up_relu_square_kernel[(pre_max.numel(),)](
+        x_f8, w1_f8, pre, post, post_f8, pre_max, dequant, inv_act_scale, m, n, k,
+        x_f8.stride(0), w1_f8.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP=GROUP_M, IMPRECISE_ACC=min(UP_IMPRECISE_ACC, block_k), num_warps=warps,
+        num_stages=stages)
+    return pre, post, post_f8, pre_max
+
+
+def launch_relu_square_grad(grad_out, w2, pre, tile=GRAD_TILE):
+    """2 * (grad_out @ w2^T) * relu(pre) in bf16: grad_out (M, K), w2 (N, K), pre (M, N)."""
+    _check_rows("relu_square_grad", grad_out, w2)
+    (m, k), n = grad_out.shape, w2.size(0)
+    block_m, block_n, block_k, warps, stages = tile
+    pre = pre.contiguous()
+    out = torch.empty_like(pre)
+    _relu_square_grad_kernel[(tile_count(m, n, tile),)](
+        grad_out, w2, pre, out, m, n, k, grad_out.stride(0), w2.stride(0), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, GROUP=GROUP_M,
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages)
+    return out
+
+
+@functools.cache
+def interpreter_computes_fp8():
+    """Whether Triton's interpreter is on (TRITON_INTERPRET=1) and computes an e4m3 dot as an fp32
+    matmul of its values (Triton 3.6's and 3.9's do): the kernels' CPU runs need it."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    import train_gpt
+
+    train_gpt._squeeze_interpreter_loop_bounds()
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(-8, 9, (16, 32), generator=g).mul(8.0).to(torch.float8_e4m3fn)
+            for _ in range(2))
+    one = torch.ones(())
+    pre = launch_up_relu_square(a, b, one, one, tile=(16, 16, 32, 4, 1))[0]
+    return torch.equal(pre, (a.float() @ b.float().T).bfloat16())
+
+
+@torch.library.custom_op("speedrun::fp8_up_relu_square", mutates_args=())
+def up_relu_square(x_f8: Tensor, w1_f8: Tensor, dequant: Tensor,
+                   inv_act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return launch_up_relu_square(x_f8, w1_f8, dequant, inv_act_scale)
+
+
+@up_relu_square.register_fake
+def _(x_f8, w1_f8, dequant, inv_act_scale):
+    m, n = x_f8.size(0), w1_f8.size(0)
+    pre = x_f8.new_empty(m, n, dtype=torch.bfloat16)
+    return (pre, torch.empty_like(pre), x_f8.new_empty(m, n),
+            x_f8.new_empty(tile_count(m, n, UP_TILE), dtype=torch.float32))
+
+
+@torch.library.custom_op("speedrun::relu_square_grad", mutates_args=())
+def relu_square_grad(grad_out: Tensor, w2: Tensor, pre: Tensor) -> Tensor:
+    return launch_relu_square_grad(grad_out, w2, pre)
+
+
+@relu_square_grad.register_fake
+def _(grad_out, w2, pre):
+    return torch.empty_like(pre, memory_format=torch.contiguous_format)
+
