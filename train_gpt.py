@@ -3313,7 +3313,11 @@ def companion_files(hp):  # files a run may load beside this script; logged afte
             + ["ngram_prior.py"] * (hp.ngram_prior > 0)
             + ["data/synthetic.py"] * hp.synthetic_fallback
             + ["flex_flash.py"] * (hp.flex_backend == "flash")
-            + ["fp8_mlp_kernels.py"] * (hp.fp8_mlp and hp.fp8 != "off" and hp.device != "cpu"))
+            + ["fp8_mlp_kernels.py"] * (hp.fp8_mlp and hp.fp8 != "off" and on_cuda(hp)))
+
+
+def on_cuda(hp):  # where setup_distributed puts the run (--device is a machine's own flag)
+    return hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
 
 
 def load_companion(name):
@@ -4219,7 +4223,7 @@ def setup_distributed(hp):
     # as the reference: growable segments (larger later batches do not fragment); read at CUDA init
     os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     rank, world_size, local_rank, local_world = process_place()
-    if hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available()):
+    if on_cuda(hp):
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu or "
                               "auto")

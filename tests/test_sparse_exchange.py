@@ -131,11 +131,11 @@ def test_sparse_exchange_where_a_rank_touches_at_most_half_the_table_between_ada
     assert not tg.sparse_bigram_exchange(tg.parse_args(["--bigram_vocab_size", "0"]), 8)
 
 
-def _trainer_worker(rank, world, port, folder, out_dir):
+def _trainer_worker(rank, world, ports, folder, out_dir):
     """A few training steps of the Trainer (the loader's ids noted each micro-step), sparse and then
     dense (the rule switched off); the parameters of both."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     argv = ["--preset", "cpu", "--device", "cpu", "--batch_sizes", "512", "512", "512",
             "--grad_accum_base", "2", "--val_tokens", "1024", "--val_batch_size", "512",
             "--max_seq_len", "256", "--window_blocks", "2", "2", "2", "--extension_window_blocks",
@@ -146,7 +146,8 @@ def _trainer_worker(rank, world, port, folder, out_dir):
             "--train_files", f"{folder}/synthetic_train_*.bin",
             "--val_files", f"{folder}/synthetic_val_*.bin"]
     params = {}
-    for sparse in (True, False):
+    for sparse, port in zip((True, False), ports):  # (a group of its own each: a port of its own)
+        os.environ["MASTER_PORT"] = str(port)
         if not sparse:
             tg.sparse_bigram_exchange = lambda hp, world_size: False
         trainer = tg.Trainer(tg.parse_args(argv + ["--log_dir", f"{out_dir}/logs{sparse}"]), argv)
@@ -168,7 +169,10 @@ def test_training_steps_sparse_equal_dense_on_two_processes(tmp_path):
     the bigram table moved."""
     import synthetic
     synthetic.markov_corpus(tmp_path / "corpus", train_tokens=60_000, val_tokens=8_192)
-    mp.spawn(_trainer_worker, args=(2, _free_port(), str(tmp_path / "corpus"), str(tmp_path)),
+    ports = [_free_port()]
+    while len(ports) < 2:
+        ports += [port for port in [_free_port()] if port not in ports]
+    mp.spawn(_trainer_worker, args=(2, ports, str(tmp_path / "corpus"), str(tmp_path)),
              nprocs=2, join=True)
     for rank in range(2):
         params = torch.load(tmp_path / f"params{rank}.pt")

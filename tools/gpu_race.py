@@ -128,7 +128,7 @@ class OneBatch:
     """The loader of a race: the same batch every micro-step."""
 
     def __init__(self, batch):
-        self.batch = batch
+        self.batch, self.bigram_ids = batch, None  # (no sparse exchange at world size 1)
 
     def next_pieces(self, tokens, max_seq_len, cap):
         return [self.batch]

@@ -201,6 +201,9 @@ class MemoryPlan:
                 self.live.track(t)
             self.static = {"parameters": self.live.live}
             self.optimizers = make_optimizers(self.model, hp, backend)
+            for optimizer in self.optimizers:  # no counts travel in the fake world, no rows are noted
+                if getattr(optimizer, "sparse", None) is not None:  # (the received rows not planned)
+                    optimizer.sparse.exchange_counts = lambda sent: sent
             self._run_piece(PLAN_PIECE_STEP)
             self.static["gradients"] = sum(self._storage_bytes(p.grad) for p in self.model.parameters())
             self.live.reset_peak()
