@@ -1685,12 +1685,16 @@ class FP8ReluSquareMLP(torch.autograd.Function):
         if fused:
             pre, post, post_f8, pre_max = torch.ops.speedrun.fp8_up_relu_square(
                 x_f8, w1_f8, dequant, 1 / act_scale)
+            # bf16(max(pre, 0)^2) is post.amax(), as squaring and rounding are monotone on x >= 0
+            top = pre_max.amax().clamp(min=0)
+            post_amax = (top * top).bfloat16().float()
         else:
             pre = torch._scaled_mm(x_f8, w1_f8.T, scale_a=dequant, scale_b=dequant.new_ones(()),
                                    out_dtype=x.dtype)
             post = F.relu(pre).square()
             post_f8 = ((post.float() * (1 / act_scale)).clamp(max=E4M3_MAX)
                        .to(torch.float8_e4m3fn))
+            post_amax = post.detach().amax().float()
         # the per-layer scales are views into (layers,) buffers, from which Inductor (torch 2.11)
         # cannot lower _scaled_mm's tensorwise scale (LoweringException on the H200); clamp at 0
         # makes each a tensor of its own (no positive scale changes; a clone is elided as a no-op)
@@ -1699,9 +1703,6 @@ class FP8ReluSquareMLP(torch.autograd.Function):
                                use_fast_accum=True)
         ctx.save_for_backward(x, w1, w2, pre, post)
         ctx.fused = fused
-        # fused: bf16(max(pre, 0)^2) is post.amax(), as squaring and rounding are monotone on x >= 0
-        top = pre_max.amax().clamp(min=0) if fused else None
-        post_amax = (top * top).bfloat16().float() if fused else post.detach().amax().float()
         ctx.mark_non_differentiable(post_amax)  # it only scales the next forward
         return out, post_amax
 
