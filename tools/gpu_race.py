@@ -150,7 +150,7 @@ def our_trainer(hp, device, batch):
     # Trainer.__init__ opens data and logs, which a race has none of
     trainer = object.__new__(tg.Trainer)
     trainer.hp, trainer.device, trainer.world_size, trainer.rank = hp, device, 1, 0
-    # one micro-step per step, as each GPU of the 8-GPU run: the FP8 gradient scale of accumulation 1
+    # one micro-step per step, as each GPU of the 8-GPU run: the FP8 gradient scale of accum 1
     trainer.backend = tg.backend_for(hp, device, 1)
     trainer.model, trainer.forward = tg.start_model(hp, trainer.backend, device, 1)
     trainer.matrix_opt, trainer.adam = tg.make_optimizers(trainer.model, hp, trainer.backend)
