@@ -1108,7 +1108,9 @@ class Backend(NamedTuple):
     # micro-steps per optimizer step, the one place the accumulation is said: GPT.loss divides the
     # training loss by it; on the GPU the FP8 gradient scale and the loss's grad_scale follow it
     grad_accum: int
-    fused_mlp: bool = False  # the FP8 MLP's GEMMs with their epilogues (fp8_mlp_kernels.py; GPU)
+    # fp8_kernels.py's ops (GPU, FP8, Triton): the FP8 MLP's GEMMs with their epilogues and the FP8
+    # head's loss with its e5m2 gradient in one kernel
+    fused: bool = False
 
 
 class GPT(nn.Module):
@@ -1133,7 +1135,7 @@ class GPT(nn.Module):
         self.grad_accum = backend.grad_accum
         # FP8 copies and scales of the MLP weights, used in training where the head is in FP8 (the
         # scales are in every checkpoint: one written on a GPU resumes on a CPU and back)
-        self.fp8_mlp = FP8MLPWeights(L, 4 * D, D, backend.fused_mlp) if hp.fp8_mlp else None
+        self.fp8_mlp = FP8MLPWeights(L, 4 * D, D, backend.fused) if hp.fp8_mlp else None
         self.mlp_in_fp8 = self.fp8_mlp is not None and backend.fp8_scales is not None
         self.init_embeddings(hp)
         self.smear_gate_w = nn.Parameter(torch.zeros(1, GATE_INPUTS))
@@ -1586,6 +1588,22 @@ def softcap_loss_grad(logits, targets, weights, softcap, start, stop, grad_total
     return (factor * dz * s * (1 - s)).clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)
 
 
+def softcap_loss_blocks(logits, targets, weights, softcap, masks, announced, grad_s):
+    """FP8SoftcapLoss's torch path: (each horizon's loss sum (K,), the e5m2 gradient), block by
+    block of FUSED_LOSS_ROWS rows, each block's logits read once by training_sigmoid."""
+    n = logits.size(0)
+    sums, blocks = [logits.new_zeros((), dtype=torch.float32)] * weights.numel(), []
+    for start in range(0, n, FUSED_LOSS_ROWS):
+        stop = min(n, start + FUSED_LOSS_ROWS)
+        s = training_sigmoid(logits, softcap, start, stop)
+        chunk = softcap_loss_sums(logits, targets, weights.numel(), softcap, start, stop, masks, s)
+        for k, value in chunk.items():
+            sums[k] = sums[k] + value
+        blocks.append(softcap_loss_grad(logits, targets, weights, softcap, start, stop, announced,
+                                        grad_s, masks, s))
+    return torch.stack(sums), torch.cat(blocks)
+
+
 class FP8SoftcapLoss(torch.autograd.Function):
     """The FP8 head and its softcapped (multi-token) loss in one op, summed over tokens. As #89's
     loss kernel, the forward also makes the logits' gradient, as the e5m2 tensor the FP8 backward
@@ -1595,27 +1613,24 @@ class FP8SoftcapLoss(torch.autograd.Function):
     one FP8 GEMM for grad_x and one for grad_w (from the gradient's transposed copy); a gradient
     other than grad_scale scales both by its ratio (1 in training). The loss matches head_matmul,
     softcapped and multi_token_loss to fp32 rounding; the gradient rounds as #89's kernel
-    (softcap_loss_grad), unlike autograd in about 2 % of the e5m2 entries."""
+    (softcap_loss_grad), unlike autograd in about 2 % of the e5m2 entries. `fused`: loss sums and
+    gradient by fp8_kernels.py's speedrun::softcap_loss, one kernel reading each row of logits."""
 
     @staticmethod
-    def forward(ctx, x, w, targets, weights, fp8_scales, softcap, masks, grad_scale):
+    def forward(ctx, x, w, targets, weights, fp8_scales, softcap, masks, grad_scale,
+                fused=False):
         logits, x_f8, w_f8 = mm_fp8(x, w, *fp8_scales)
-        n, grad_s = logits.size(0), fp8_scales[2]
         announced = logits.new_tensor(grad_scale, dtype=torch.float32)
-        sums, blocks = {}, []
-        for start in range(0, n, FUSED_LOSS_ROWS):
-            stop = min(n, start + FUSED_LOSS_ROWS)
-            s = training_sigmoid(logits, softcap, start, stop)  # one pass over the block's logits
-            chunk = softcap_loss_sums(logits, targets, weights.numel(), softcap, start, stop,
-                                      masks, s)
-            for k, value in chunk.items():
-                sums[k] = sums[k] + value if k in sums else value
-            blocks.append(softcap_loss_grad(logits, targets, weights, softcap, start, stop,
-                                            announced, grad_s, masks, s))
+        if fused:  # fp8_kernels.py's op (Backend.fused): one read of each row of logits
+            sums, grad = torch.ops.speedrun.softcap_loss(logits, targets, weights, masks, *softcap,
+                                                         announced, fp8_scales[2])
+        else:
+            sums, grad = softcap_loss_blocks(logits, targets, weights, softcap, masks, announced,
+                                             fp8_scales[2])
         total = logits.new_zeros((), dtype=torch.float32)
-        for k, value in sums.items():
-            total = total + weights[k] * value
-        ctx.save_for_backward(torch.cat(blocks), x_f8, w_f8)
+        for k in range(weights.numel()):
+            total = total + weights[k] * sums[k]
+        ctx.save_for_backward(grad, x_f8, w_f8)
         ctx.scales, ctx.grad_scale, ctx.w_dtype = fp8_scales, grad_scale, w.dtype
         return total
 
@@ -1634,23 +1649,23 @@ class FP8SoftcapLoss(torch.autograd.Function):
         grad_t = g_f8.T.contiguous()
         grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_t.T, out_dtype=torch.float32,
                                   scale_a=scale(x_s), scale_b=g_scale, use_fast_accum=False).T
-        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, None
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, None, None
 
 
 def softcap_cross_entropy(x, weight, targets, training, fp8_scales, softcap, mtp_weights=None,
-                          loss_mask=None, inputs=None, grad_scale=1.0):
+                          loss_mask=None, inputs=None, grad_scale=1.0, fused=False):
     """The head and its loss on the GPU path: in training summed over tokens (next-token, or
     multi-token with the step's mtp_weights; GPT.loss divides by the accumulation steps, and
     grad_scale, the gradient the loss will get, says so); in validation the mean next-token loss in
     fp32 (with a piece's loss_mask: the sum over it). In FP8, head and loss are one op
-    (FP8SoftcapLoss); else the compiled graph fuses the softcap. (`inputs`, the sequence's tokens,
-    are for the CPU loss's n-gram prior.)"""
+    (FP8SoftcapLoss; `fused`: by fp8_kernels.py's kernel); else the compiled graph fuses the
+    softcap. (`inputs`, the sequence's tokens, are for the CPU loss's n-gram prior.)"""
     if training and fp8_scales is not None:
         weights = x.new_ones(1, dtype=torch.float32) if mtp_weights is None else mtp_weights
         flat, targets = x.reshape(-1, x.shape[-1]).to(torch.bfloat16), targets.reshape(-1)
         masks = None if loss_mask is None else horizon_masks(targets, loss_mask, weights.numel())
         return FP8SoftcapLoss.apply(flat, weight, targets, weights, fp8_scales, softcap, masks,
-                                    grad_scale)
+                                    grad_scale, fused)
     if training:
         z = softcapped(head_matmul(x, weight, fp8_scales), softcap, training=True)
         if loss_mask is not None:
@@ -1675,7 +1690,7 @@ class FP8ReluSquareMLP(torch.autograd.Function):
     scale. Backward runs in bf16 from the saved pre- and post-activations; the weight gradients are
     bf16 GEMMs (fp32 accumulation) returned in fp32, as the reference. Also returns amax(post), the
     next forward's activation amax. `fused`: the up projection and the gradient of pre as
-    fp8_mlp_kernels.py's ops, relu^2, e4m3 copy, amax and 2 relu(pre) in their GEMMs."""
+    fp8_kernels.py's ops, relu^2, e4m3 copy, amax and 2 relu(pre) in their GEMMs."""
 
     @staticmethod
     def forward(ctx, x, w1, w2, w1_f8, w1_scale, w2_f8, w2_scale, act_scale, fused=False):
@@ -1729,7 +1744,7 @@ class FP8MLPWeights(nn.Module):
 
     def __init__(self, layers, hidden, dim, fused=False):
         super().__init__()
-        self.fused = fused  # fp8_mlp_kernels.py's ops (Backend.fused_mlp)
+        self.fused = fused  # fp8_kernels.py's ops (Backend.fused)
         self.register_buffer("act_scales", torch.ones(layers))  # 1.0 at first, as the reference
         self.register_buffer("w2_scales", torch.ones(layers))  # the scale of the current W2 copy
         self.register_buffer("w2_next_scales", torch.ones(layers))
@@ -1809,13 +1824,13 @@ def backend_for(hp, device, accum=1, fp8_hardware=None, attention=None, prior=No
         raise ConfigError("--ngram_prior needs the CPU loss path (the GPU losses add no prior); "
                           "use --device cpu or --ngram_prior 0")
     fp8 = uses_fp8(hp, device, fp8_hardware)
-    fused_mlp = fp8 and hp.fp8_mlp and HAS_TRITON
-    if fused_mlp:
-        load_companion("fp8_mlp_kernels.py")  # registers its ops
+    fused = fp8 and HAS_TRITON
+    if fused:
+        load_companion("fp8_kernels.py")  # registers its ops
     return Backend(attention or flex_attention_for(hp),
-                   functools.partial(softcap_cross_entropy, grad_scale=1 / accum),
+                   functools.partial(softcap_cross_entropy, grad_scale=1 / accum, fused=fused),
                    head_fp8_scales(hp.head_fp8_amax, accum) if fp8 else None,
-                   True, True, GPU_POLAR_EXPRESS, hp.compile, accum, fused_mlp)
+                   True, True, GPU_POLAR_EXPRESS, hp.compile, accum, fused)
 
 
 def build_model(hp, device, accum=1):
@@ -3314,7 +3329,7 @@ def companion_files(hp):  # files a run may load beside this script; logged afte
             + ["ngram_prior.py"] * (hp.ngram_prior > 0)
             + ["data/synthetic.py"] * hp.synthetic_fallback
             + ["flex_flash.py"] * (hp.flex_backend == "flash")
-            + ["fp8_mlp_kernels.py"] * (hp.fp8_mlp and hp.fp8 != "off" and on_cuda(hp)))
+            + ["fp8_kernels.py"] * (hp.fp8 != "off" and on_cuda(hp)))
 
 
 def on_cuda(hp):  # where setup_distributed puts the run (--device is a machine's own flag)

@@ -8,15 +8,16 @@ import train_gpt as tg
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = [ROOT / name for name in ("train_gpt.py", "track3.py", "ngram_prior.py", "flex_flash.py",
-                                "fp8_mlp_kernels.py")]
+                                "fp8_kernels.py")]
 MAX_COLUMNS = 100
 # Growth guards, set at this round's sizes (the issue's 2,500 and 4,000 were measured on the file before
 # it was wrapped to 100 columns; its code lines alone are ~3,300 now): the recipe, before the fence, and
 # the whole file (4,700: issue 55's bookkeeping, ported after the fence, took ~140 lines; 4,701: issue 53's
 # --flex_backend, whose companion file flex_flash.py holds the rest; 3,200 and 4,800: issue 53's sparse
 # exchange of the bigram table's gradient, ~95 lines on the record path; 3,220 and 4,820: issue 53's
-# fused FP8 MLP, whose kernels are in its companion file fp8_mlp_kernels.py)
-RECORD_PATH_LINES, FILE_LINES = 3220, 4820
+# fused FP8 MLP, whose kernels are in its companion file fp8_kernels.py; 3,235 and 4,835: the fused
+# loss's op beside FP8SoftcapLoss's torch path, softcap_loss_blocks)
+RECORD_PATH_LINES, FILE_LINES = 3235, 4835
 FENCE = "# " + "=" * 94
 
 

@@ -248,7 +248,7 @@ def test_linear_relu_square_stand_ins():
 
 @pytest.mark.skipif(not tg.HAS_TRITON, reason="the fused FP8 MLP's ops need Triton")
 def test_fused_mlp_ops_are_priced_as_their_gemms():
-    """fp8_mlp_kernels.py's ops. Up projection: 2 M N K FLOPs as an FP8 GEMM; reads x and W1 in e4m3
+    """fp8_kernels.py's ops. Up projection: 2 M N K FLOPs as an FP8 GEMM; reads x and W1 in e4m3
     and two scales, writes pre and post (bf16), post in e4m3 and one fp32 maximum per output tile.
     relu^2 gradient: 2 M N K in bf16, reading the gradient, W2 and pre, writing the gradient of pre.
     Error model: none (integers)."""

@@ -993,9 +993,9 @@ class RecordRun:
         }, self.tg.SYM_CONFIGS
 
     def fused_mlp_launches(self):
-        """The fused FP8 MLP's two Triton launchers (fp8_mlp_kernels.py) with meta arguments at the
+        """The fused FP8 MLP's two Triton launchers (fp8_kernels.py) with meta arguments at the
         record's shapes: {name: (launcher, arguments)}."""
-        kernels = self.tg.load_companion("fp8_mlp_kernels.py")
+        kernels = self.tg.load_companion("fp8_kernels.py")
         dim, hidden = self.hp.model_dim, 4 * self.hp.model_dim
 
         def meta(*shape, dtype=torch.bfloat16):

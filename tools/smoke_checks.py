@@ -981,7 +981,7 @@ def fused_mlp_cpu_skip():
     interpreter with FP8 dots)."""
     if not tg.HAS_TRITON:
         return "no Triton here"
-    if not tg.load_companion("fp8_mlp_kernels.py").interpreter_computes_fp8():
+    if not tg.load_companion("fp8_kernels.py").interpreter_computes_fp8():
         return (f"Triton {sys.modules['triton'].__version__}'s interpreter (TRITON_INTERPRET=1) "
                 f"does not compute FP8 dots")
     return ""
@@ -1038,7 +1038,7 @@ def worst_ratio(got, exact, bound):
 
 
 def check_fused_mlp(device, size):
-    """fp8_mlp_kernels.py's ops against the unfused path (FP8ReluSquareMLP's torch ops). The
+    """fp8_kernels.py's ops against the unfused path (FP8ReluSquareMLP's torch ops). The
     epilogue is exact: post, post_f8 and the tile maxima are the torch ops' of the fused pre, bit
     for bit. The GEMMs differ by accumulation order, so both paths are held to one error model
     against float64 products of the same operands: pre is a bf16 rounding of a sum within
@@ -1046,7 +1046,7 @@ def check_fused_mlp(device, size):
     S = |x_f8| |W1_f8|^T dequant; the gradient of pre is bf16(2 t relu(pre)), t a bf16 rounding of
     a sum within fp32_sum_error(K) S_t (on CUDA 2^-8 S_t more: cuBLAS may reduce split-K sums in
     bf16), S_t = |grad_out| |W2|^T. A wrong kernel's error of a bf16 step is outside it."""
-    kernels = tg.load_companion("fp8_mlp_kernels.py")
+    kernels = tg.load_companion("fp8_kernels.py")
     x_f8, w1_f8, dequant, inv_act, grad_out, w2 = fused_mlp_inputs(device, size)
     k, on_cuda = x_f8.shape[1], device.type == "cuda"
     pre, post, post_f8, tile_max = kernels.up_relu_square(x_f8, w1_f8, dequant, inv_act)
@@ -1090,7 +1090,7 @@ def report_fused_mlp_speed(device, size):
     calls compile (timed apart), then the medians."""
     x_f8, w1_f8, dequant, inv_act, grad_out, w2 = fused_mlp_inputs(device, size)
     pre = unfused_up(x_f8, w1_f8, dequant)
-    kernels = tg.load_companion("fp8_mlp_kernels.py")
+    kernels = tg.load_companion("fp8_kernels.py")
     up_args = (x_f8, w1_f8, dequant, inv_act)
     runs = {"up": (lambda: kernels.up_relu_square(*up_args),
                    functools.partial(torch.compile(unfused_forward), *up_args)),

@@ -134,7 +134,7 @@ METADATA = {"size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "d
             "_local_scalar_dense", "detach", "alias", "lift_fresh"}
 
 
-# ---- the fused FP8 MLP's Triton ops (fp8_mlp_kernels.py, the GPU path with Triton): a GEMM of (M, K)
+# ---- the fused FP8 MLP's Triton ops (fp8_kernels.py, the GPU path with Triton): a GEMM of (M, K)
 # against (N, K) with its epilogue, 2 M N K FLOPs at the FP8 (up projection) or bf16 (the relu^2
 # gradient) matmul rate; their bytes are the ledger's, the operands they read and every output they
 # store (pre, post and post_f8 of the up projection, its tile maxima)
@@ -142,8 +142,8 @@ FUSED_MLP_KINDS = {"fp8_up_relu_square": "matmul fp8", "relu_square_grad": "matm
 
 
 def fused_mlp_kernels():
-    """fp8_mlp_kernels.py, its ops registered (None without Triton: the GPU path runs unfused)."""
-    return tg.load_companion("fp8_mlp_kernels.py") if tg.HAS_TRITON else None
+    """fp8_kernels.py, its ops registered (None without Triton: the GPU path runs unfused)."""
+    return tg.load_companion("fp8_kernels.py") if tg.HAS_TRITON else None
 
 
 def fused_mlp_gemm_flops(a_shape, b_shape, *args, **kwargs):

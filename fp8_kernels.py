@@ -1,10 +1,13 @@
-"""The FP8 MLP's two GEMMs with their pointwise work in the epilogue (train_gpt.py loads this file
-on the GPU path when the MLP runs in FP8; docs/fp8-mlp-kernels.md):
+"""The GPU path's own Triton kernels (train_gpt.py loads this file on CUDA when the head runs in
+FP8; docs/fp8-kernels.md):
 
 - speedrun::fp8_up_relu_square: pre = bf16(dequant * x_f8 @ w1_f8^T), post = bf16(relu(pre)^2),
   post_f8 = e4m3(min(post * inv_act_scale, 448)) and each tile's max(pre, 0) for the next forward's
   activation amax, in one pass over the output (record #89's `linear_relu_square` does the same);
-- speedrun::relu_square_grad: bf16(2 * bf16(grad_out @ w2^T) * relu(pre)), the gradient of pre.
+- speedrun::relu_square_grad: bf16(2 * bf16(grad_out @ w2^T) * relu(pre)), the gradient of pre;
+- speedrun::softcap_loss: the FP8 head's softcapped (multi-token) loss sums and the logits' e5m2
+  gradient from one read of each row of logits (and a second from L2), in the rounding order of
+  train_gpt.softcap_loss_grad (record #89's `ce_fwd_bwd` does the same).
 
 They are torch.library custom ops, opaque to torch.compile, whose implementation launches Triton
 kernels: on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, the tests)."""
@@ -225,3 +228,137 @@ def relu_square_grad(grad_out: Tensor, w2: Tensor, pre: Tensor) -> Tensor:
 def _(grad_out, w2, pre):
     return torch.empty_like(pre, memory_format=torch.contiguous_format)
 
+
+
+# ---- the FP8 head's softcapped loss and its e5m2 logit gradient (speedrun::softcap_loss)
+E5M2_MAX = tl.constexpr(57344.0)
+E5M2_MIN_NORMAL = tl.constexpr(2.0 ** -14)
+# (columns a tile, warps): a program walks one row of logits in tiles, twice (the second pass finds
+# the row in L2: 50,304 bf16 logits are 100 KB)
+LOSS_TILE = (2048, 8)
+
+
+@triton.jit
+def _round_e5m2(x):
+    """x (|x| <= 57344, or NaN) rounded to the nearest e5m2 value (ties to even), kept in fp32, by
+    its bits: Triton's interpreter rounds its own e5m2 cast otherwise than torch. Normal values keep
+    2 mantissa bits; below 2^-14, multiples of 2^-16 by fp32's own rounding of |x| + 128."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    magnitude = bits ^ sign
+    normal = (magnitude + 0xFFFFF + ((magnitude >> 21) & 1)) & 0xFFE00000
+    subnormal = ((magnitude.to(tl.float32, bitcast=True) + 128.0) - 128.0).to(tl.uint32,
+                                                                            bitcast=True)
+    small = magnitude.to(tl.float32, bitcast=True) < E5M2_MIN_NORMAL
+    rounded = (tl.where(small, subnormal, normal) | sign).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, rounded)
+
+
+@triton.jit
+def _e5m2_bits(x):
+    """The e5m2 byte of an fp32 value that is exactly an e5m2 value: e5m2 is fp16's top byte (the
+    same 5-bit exponent), and fp32 to fp16 is exact for it."""
+    return (x.to(tl.float16).to(tl.uint16, bitcast=True) >> 8).to(tl.uint8)
+
+
+@triton.jit
+def _softcap_sigmoid(x, offset, WIDTH: tl.constexpr, ROUND: tl.constexpr):
+    """train_gpt.training_sigmoid of fp32 logits: sigmoid((x + offset) / SOFTCAP_WIDTH), rounded
+    to bf16 with round_sigmoid."""
+    s = 1.0 / (1.0 + tl.exp(-((x + offset) / WIDTH)))
+    if ROUND:
+        s = _round_bf16(s)
+    return s
+
+
+@triton.jit
+def _horizon(targets_ptr, weights_ptr, masks_ptr, row, n, k: tl.constexpr,
+             HAS_MASKS: tl.constexpr):
+    """Row `row`'s horizon-k target t + k: (whether its term counts, the target, its weight)."""
+    inside = row + k < n
+    counted = inside
+    if HAS_MASKS:
+        counted = counted & (tl.load(masks_ptr + k * n + row, mask=inside, other=0) != 0)
+    target = tl.load(targets_ptr + row + k, mask=inside, other=-1)
+    return counted, target, tl.load(weights_ptr + k)
+
+
+@triton.jit
+def _softcap_loss_kernel(logits_ptr, targets_ptr, weights_ptr, masks_ptr, announced_ptr,
+                         terms_ptr, grad_ptr, n, V, s_row, offset, scale, inv_width, inv_grad_s,
+                         WIDTH: tl.constexpr, K: tl.constexpr, HAS_MASKS: tl.constexpr,
+                         ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    base = logits_ptr + row.to(tl.int64) * s_row
+    # pass 1: the softcapped row's max and sum of exp, rescaled tile by tile
+    top = tl.full((), -3.0e38, tl.float32)
+    total = tl.zeros((), dtype=tl.float32)
+    for c0 in range(0, V, BLOCK):
+        c = c0 + cols
+        x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
+        z = tl.where(c < V, scale * _softcap_sigmoid(x, offset, WIDTH, ROUND), float("-inf"))
+        new_top = tl.maximum(top, tl.max(z, axis=0))
+        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(z - new_top), axis=0)
+        top = new_top
+    lse = top + tl.log(total)
+    count = 0.0
+    for k in tl.static_range(K):
+        counted, target, weight = _horizon(targets_ptr, weights_ptr, masks_ptr, row, n, k,
+                                           HAS_MASKS)
+        picked = tl.load(base + tl.maximum(target, 0)).to(tl.float32)
+        term = lse - scale * _softcap_sigmoid(picked, offset, WIDTH, ROUND)
+        tl.store(terms_ptr + k * n + row, tl.where(counted, term, 0.0))
+        count += tl.where(counted, weight, 0.0)
+    # (grad_total (scale / SOFTCAP_WIDTH) / grad_s) in softcap_loss_grad's order
+    factor = tl.load(announced_ptr) * (inv_width * scale) * inv_grad_s
+    out = grad_ptr + row.to(tl.int64) * V
+    # pass 2: dz = p count - hot, then factor dz s (1 - s), saturated and rounded to e5m2
+    for c0 in range(0, V, BLOCK):
+        c = c0 + cols
+        x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
+        s = _softcap_sigmoid(x, offset, WIDTH, ROUND)
+        hot = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in tl.static_range(K):
+            counted, target, weight = _horizon(targets_ptr, weights_ptr, masks_ptr, row, n, k,
+                                               HAS_MASKS)
+            hot += tl.where((c == target) & counted, weight, 0.0)
+        dz = tl.exp(scale * s - lse) * count - hot
+        g = factor * dz * s * (1.0 - s)
+        g = tl.minimum(tl.maximum(g, -E5M2_MAX, propagate_nan=tl.PropagateNan.ALL), E5M2_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
+        tl.store(out + c, _e5m2_bits(_round_e5m2(g)), mask=c < V)
+
+
+def launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_sigmoid,
+                        announced, grad_s, tile=LOSS_TILE):
+    """(per-horizon loss sums (K,) fp32, e5m2 gradient (n, V)) of bf16 logits (n, V)."""
+    import train_gpt
+
+    _check_rows("softcap_loss", logits)
+    (n, vocab), horizons = logits.shape, weights.numel()
+    block, warps = tile
+    terms = logits.new_empty(horizons, n, dtype=torch.float32)
+    grad = logits.new_empty(n, vocab, dtype=torch.float8_e5m2)
+    # 1 / grad_s as softcap_loss_grad's fp32 reciprocal of fp32(grad_s)
+    inv_grad_s = torch.tensor(grad_s, dtype=torch.float32).reciprocal().item()
+    _softcap_loss_kernel[(n,)](
+        logits, targets, weights.float(), targets if masks is None else masks.contiguous(),
+        announced, terms, grad.view(torch.uint8), n, vocab, logits.stride(0), offset, scale,
+        1 / train_gpt.SOFTCAP_WIDTH, inv_grad_s, WIDTH=train_gpt.SOFTCAP_WIDTH, K=horizons,
+        HAS_MASKS=masks is not None, ROUND=round_sigmoid, BLOCK=block, num_warps=warps)
+    return terms.sum(dim=1), grad
+
+
+@torch.library.custom_op("speedrun::softcap_loss", mutates_args=())
+def softcap_loss(logits: Tensor, targets: Tensor, weights: Tensor, masks: Tensor | None,
+                 scale: float, offset: float, round_sigmoid: bool, announced: Tensor,
+                 grad_s: float) -> tuple[Tensor, Tensor]:
+    return launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_sigmoid,
+                               announced, grad_s)
+
+
+@softcap_loss.register_fake
+def _(logits, targets, weights, masks, scale, offset, round_sigmoid, announced, grad_s):
+    return (weights.new_empty(weights.numel(), dtype=torch.float32),
+            logits.new_empty(logits.shape, dtype=torch.float8_e5m2))
