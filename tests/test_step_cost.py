@@ -268,6 +268,22 @@ def test_fused_mlp_ops_are_priced_as_their_gemms():
     assert ledger.op_bytes(op) == (2 * (M * K + N * K + M * N), 2 * M * N)
 
 
+@pytest.mark.skipif(not tg.HAS_TRITON, reason="the fused loss's op needs Triton")
+def test_fused_loss_op_is_priced_as_one_read_of_the_logits():
+    """fp8_kernels.py's speedrun::softcap_loss, as #89's ce_fwd_bwd: reads the bf16 logits once, the
+    int64 targets, the 3 fp32 MTP weights and the announced fp32 gradient; writes the e5m2
+    gradient and 3 fp32 loss sums. No FLOPs, its own kernel (not fused with its neighbours), 6
+    special functions per logit (two sigmoids, two exps). Error model: none (integers)."""
+    R, V = 256, 50304
+    sc.fused_mlp_kernels()  # registers the op
+    ops, ledger = traced_ops(
+        lambda l, t, w, a: torch.ops.speedrun.softcap_loss(l, t, w, None, 23.0, 5.0, True, a, 0.5),
+        ((R, V), BF16), ((R,), torch.int64), ((3,), F32), ((), F32))
+    op = only_op(ops, "softcap_loss")
+    assert (op.flops, op.fusable, op.sfu) == (0, False, 6 * R * V)
+    assert ledger.op_bytes(op) == (2 * R * V + 8 * R + 12 + 4, R * V + 12)
+
+
 def test_loss_and_copy_stand_ins_move_their_tensors():
     """ce_fwd_bwd reads each row's bf16 logits, the int64 targets and the MTP weights and writes the fp32 losses
     and the e5m2 gradient; the quantize-transpose reads the strided down projections (12 of the bank's 24

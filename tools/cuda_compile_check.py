@@ -992,9 +992,9 @@ class RecordRun:
             "ba_plus_caa": self.tg._ba_plus_caa_kernel,
         }, self.tg.SYM_CONFIGS
 
-    def fused_mlp_launches(self):
-        """The fused FP8 MLP's two Triton launchers (fp8_kernels.py) with meta arguments at the
-        record's shapes: {name: (launcher, arguments)}."""
+    def fused_launches(self):
+        """fp8_kernels.py's Triton launchers (the fused FP8 MLP's two, the fused loss's) with meta
+        arguments at the record's shapes: {name: (launcher, arguments)}."""
         kernels = self.tg.load_companion("fp8_kernels.py")
         dim, hidden = self.hp.model_dim, 4 * self.hp.model_dim
 
@@ -1002,14 +1002,24 @@ class RecordRun:
             return torch.empty(*shape, dtype=dtype, device="meta")
 
         f8, scale = torch.float8_e4m3fn, meta((), dtype=torch.float32)
+        (tokens, _), (vocab, _), (_, _, grad_s) = self.head_shapes()
+        softcap = self.tg.Softcap(self.hp.softcap_scale, self.hp.softcap_offset, True)
         return {
-            "up projection": (
+            "FP8 MLP up projection": (
                 kernels.launch_up_relu_square,
                 (meta(self.tokens, dim, dtype=f8), meta(hidden, dim, dtype=f8), scale, scale),
             ),
-            "relu-square gradient": (
+            "FP8 MLP relu-square gradient": (
                 kernels.launch_relu_square_grad,
                 (meta(self.tokens, dim), meta(hidden, dim), meta(self.tokens, hidden)),
+            ),
+            # the record's three horizons, no masks (a micro-step piece's masks: another
+            # specialization, the same code)
+            "FP8 loss": (
+                kernels.launch_softcap_loss,
+                (meta(tokens, vocab), meta(tokens, dtype=torch.int64),
+                 meta(self.tg.MTP_HORIZON, dtype=torch.float32), None, *softcap,
+                 meta((), dtype=torch.float32), grad_s),
             ),
         }
 
@@ -1102,7 +1112,7 @@ def record_graphs(run, world_sizes=(1, 8)):
                     lambda args, fn=fn: lower_function(fn, args),
                 )
             )
-    return graphs + polar_graphs(run, polar_sizes) + fused_mlp_graphs(run)
+    return graphs + polar_graphs(run, polar_sizes) + fused_graphs(run)
 
 
 def polar_graphs(run, optimizer_sizes):
@@ -1143,16 +1153,16 @@ def launch_compiling_only(prepared):
         fn(*args, **kwargs)
 
 
-def fused_mlp_graphs(run):
-    """The fused FP8 MLP's Triton kernels (opaque custom ops in the training graph) through their
+def fused_graphs(run):
+    """fp8_kernels.py's Triton kernels (opaque custom ops in the training graph) through their
     launchers at the record's shapes."""
     try:
-        launches = run.fused_mlp_launches()
+        launches = run.fused_launches()
     except Exception as e:
-        return [Graph("fused FP8 MLP's Triton kernels", _raiser(e), None)]
+        return [Graph("fused FP8 Triton kernels", _raiser(e), None)]
     return [
         Graph(
-            f"fused FP8 MLP {name} kernel at {run.tokens:,} tokens",
+            f"fused {name} kernel at {run.tokens:,} tokens",
             lambda launch=launch: (*launch, {}),
             launch_compiling_only,
         )

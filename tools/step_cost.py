@@ -162,6 +162,13 @@ if fused_mlp_kernels():
     for _op in (torch.ops.speedrun.fp8_up_relu_square, torch.ops.speedrun.relu_square_grad):
         register_flop_formula(_op)(fused_mlp_gemm_flops)
 
+# fp8_kernels.py's loss kernel (speedrun::softcap_loss), a kernel of its own: it reads the bf16 logits,
+# the targets, weights and the announced gradient and writes the e5m2 gradient and the loss sums
+# (its (K, n) per-row terms and their sum, 12 bytes a row against 3 V, are left out). Its second
+# pass over a row reads L2, not HBM. Special functions per logit: each pass's sigmoid (an exp and a
+# reciprocal), the first's exp of the sum, the second's exp of p
+FUSED_LOSS_SFU_PER_LOGIT = 6
+
 
 # ---- the fused attention stand-in: FlexAttention's visible blocks, FusedAttentionFootprint's bytes
 
@@ -359,7 +366,7 @@ class Ledger(LiveMemory):
         largest = max(tensors_out, key=lambda t: t.numel(), default=None)
         shape = "" if largest is None else f"{str(largest.dtype).replace('torch.', '')}{list(largest.shape)}"
         fusable = (kind == "pointwise/reduction" and name not in UNFUSABLE
-                   and func.namespace not in ("step_cost", reference_step.NAMESPACE))
+                   and func.namespace not in ("step_cost", "speedrun", reference_step.NAMESPACE))
         op = Op(name, kind, self.phase, int(flops), reads, writes, shape=shape, fusable=fusable,
                 numel=0 if largest is None else largest.numel(), index=len(self.ops))
         if kind == "collectives":
@@ -380,6 +387,8 @@ class Ledger(LiveMemory):
                 setattr(op, field, value)
         elif func.namespace == "speedrun" and op.name in FUSED_MLP_KINDS:
             op.tiles = fused_mlp_tiles(op.name, args)
+        elif func.namespace == "speedrun" and op.name == "softcap_loss":
+            op.sfu = FUSED_LOSS_SFU_PER_LOGIT * args[0].numel()
         elif op.kind.startswith("matmul") and largest is not None:
             op.tiles = gemm_tiles(largest.shape)
         if op.fusable:
