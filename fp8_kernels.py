@@ -330,12 +330,21 @@ def _softcap_loss_kernel(logits_ptr, targets_ptr, weights_ptr, masks_ptr, announ
         tl.store(out + c, _e5m2_bits(_round_e5m2(g)), mask=c < V)
 
 
+@functools.cache
+def _interpreter_takes_loop_bounds():  # once: the patch wraps the interpreter's
+    import train_gpt
+
+    train_gpt._squeeze_interpreter_loop_bounds()
+
+
 def launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_sigmoid,
                         announced, grad_s, tile=LOSS_TILE):
     """(per-horizon loss sums (K,) fp32, e5m2 gradient (n, V)) of bf16 logits (n, V)."""
     import train_gpt
 
     _check_rows("softcap_loss", logits)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _interpreter_takes_loop_bounds()
     (n, vocab), horizons = logits.shape, weights.numel()
     block, warps = tile
     terms = logits.new_empty(horizons, n, dtype=torch.float32)

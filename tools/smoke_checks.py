@@ -13,6 +13,7 @@ is one compiled graph. Model-specific choices live in RECORD and TOY (the sizes)
 import functools
 import gc
 import math
+import os
 import subprocess
 import sys
 import time
@@ -913,11 +914,96 @@ def check_fused_fp8_loss(device, size):
     detail = (f"{rows:,}x{vocab:,} logits: {differ:.1e} of the e5m2 logit-gradient entries differ from the kernel's "
               f"order in float64 ({zeros:.1%} underflow to 0 in both)")
     require(differ < 1e-3 and zeros < 0.5, detail)
+    if not fused_loss_op_skip(device):
+        detail += "; " + check_fused_loss_op(logits, targets, weights, grad_total, grad_s, device)
     return detail
 
 
+# rows of the fused loss op's check under Triton's interpreter (a CPU runs each row's program in Python)
+FUSED_LOSS_INTERPRETED_ROWS = 32
+
+
+def fused_loss_op_skip(device):
+    """Why fp8_kernels.py's loss op cannot run on `device` ('' when it can: Triton on CUDA, or its
+    interpreter on a CPU)."""
+    if not tg.HAS_TRITON:
+        return "no Triton here"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton's interpreter is off (TRITON_INTERPRET=1 runs it on a CPU)"
+    return ""
+
+
+def e5m2_steps_apart(a, b):
+    """How many e5m2 values apart each pair of entries of two e5m2 tensors is (0: equal)."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e5m2).float()
+    order = values[torch.isfinite(values)].unique().to(a.device)
+    a, b = (torch.searchsorted(order, t.float().flatten().contiguous()) for t in (a, b))
+    return (a - b).abs()
+
+
+def check_fused_loss_op(logits, targets, weights, grad_total, grad_s, device):
+    """fp8_kernels.py's speedrun::softcap_loss (the GPU path's fused loss) against the torch path
+    (softcap_loss_blocks) and the float64 formula of the kernel's order. Error model
+    (docs/fp8-kernels.md): the gradient's entries as the torch path's except where fp32 (and the
+    kernel's fast-math sigmoid, exp and log) flip an e5m2 rounding near a midpoint, then one step
+    (< 1e-3 of the entries differ from float64, as the torch path's); each loss sum within
+    (n + 2) u of itself (fp32 sums of n non-negative terms) plus per term (V + 8 (2 scale + log V)
+    + 8) u (the lse's sum of V exps, its log, z's roundings), u = 2^-24."""
+    rows = logits.size(0) if device.type == "cuda" else FUSED_LOSS_INTERPRETED_ROWS
+    logits, targets, vocab = logits[:rows], targets[:rows], logits.size(1)
+    kernels = tg.load_companion("fp8_kernels.py")
+    sums, grad = kernels.softcap_loss(logits, targets, weights, None, *HEAD_SOFTCAP, grad_total,
+                                      grad_s)
+    want_sums, want_grad = tg.softcap_loss_blocks(logits, targets, weights, HEAD_SOFTCAP, None,
+                                                  grad_total, grad_s)
+    exact = kernel_order_logit_grad(logits, targets, weights, HEAD_SOFTCAP, 1.0, grad_s)
+    u, scale = 2.0 ** -24, HEAD_SOFTCAP.scale
+    per_term = (vocab + 8 * (2 * scale + math.log(vocab)) + 8) * u
+    bound = (rows + 2) * u * want_sums.double() + rows * per_term
+    sum_ratio = ((sums.double() - want_sums.double()).abs() / bound).max().item()
+    steps = e5m2_steps_apart(grad, want_grad).max().item()
+    differ = (grad != want_grad).float().mean().item()
+    differ_exact = (grad != exact).float().mean().item()
+    detail = (f"the op at {rows:,} rows: loss sums' error / bound {sum_ratio:.2f}; gradient entries "
+              f"differing from the torch path {differ:.1e} (at most {steps} e5m2 step), from "
+              f"float64 {differ_exact:.1e}")
+    require(sum_ratio <= 1 and steps <= 1 and differ_exact < 1e-3, detail)
+    return detail
+
+
+def report_fused_loss_speed(device, size):
+    """The fused loss op against the torch path (softcap_loss_blocks) compiled as training compiles
+    it, at the head check's tokens: the first calls compile (timed apart), then the medians."""
+    rows, vocab = size.head[0], size.head[2]
+    g = torch.Generator(device=device).manual_seed(4)
+    logits = (torch.randn(rows, vocab, device=device, generator=g) * 6).bfloat16()
+    targets = torch.randint(0, vocab, (rows,), device=device, generator=g)
+    weights = torch.tensor(RECORD_HP.mtp_weights_start[:tg.MTP_HORIZON], device=device)
+    grad_total, grad_s = torch.ones((), device=device), HEAD_FP8_SCALES[2]
+    kernels = tg.load_companion("fp8_kernels.py")
+    blocks = torch.compile(tg.softcap_loss_blocks)
+    runs = (lambda: kernels.softcap_loss(logits, targets, weights, None, *HEAD_SOFTCAP, grad_total,
+                                         grad_s),
+            lambda: blocks(logits, targets, weights, HEAD_SOFTCAP, None, grad_total, grad_s))
+    start = time.perf_counter()
+    for run in runs:
+        run()
+    synchronize(device)
+    report_compile(device, fused_loss_speed_graphs(size), time.perf_counter() - start)
+    fused, unfused = (median_ms(run, device, size.timing_repeats) for run in runs)
+    gb = rows * vocab * 3 / 1e9  # one read of the bf16 logits, one e5m2 write
+    return (f"fused FP8 loss at {rows:,} x {vocab:,} logits: op {fused:.3f} ms ({gb / fused:.0f} "
+            f"TB/s of one read and one write), torch path compiled {unfused:.3f} ms (op / torch "
+            f"{fused / unfused:.2f})")
+
+
+def fused_loss_speed_graphs(size):
+    return [("fp8", f"the fused FP8 loss's torch path (softcap_loss_blocks) at {size.head[0]:,} rows")]
+
+
 def fused_loss_graphs(size):
-    return [("fp8", f"the fused FP8 loss's logit gradient at {min(FUSED_LOSS_CHECK_ROWS, size.head[0]):,} rows")]
+    return [("fp8", f"the fused FP8 loss's logit gradient at {min(FUSED_LOSS_CHECK_ROWS, size.head[0]):,} rows"),
+            ("triton", "the fused loss op's kernel (fp8_kernels.py)")]
 
 
 class MatmulDtypes(TorchDispatchMode):
@@ -1218,7 +1304,7 @@ class SmokePlan:
             Check("compiled_vs_eager", record.check_compiled_vs_eager, (5, 4), compiles(record.eager_reference_graphs),
                   then=record.close, needs=timed),
             Check("fp8_head", lambda: check_fp8_head(d, s), (5, 2), compiles(lambda: fp8_head_graphs(record, s))),
-            Check("fused_fp8_loss", lambda: check_fused_fp8_loss(d, s), (5, 3), compiles(lambda: fused_loss_graphs(s))),
+            Check("fused_fp8_loss", lambda: check_fused_fp8_loss(d, s), (5, 5), compiles(lambda: fused_loss_graphs(s))),
             Check("mlp_weight_gradients", lambda: check_mlp_weight_gradients(d, s), (5, 2)),
             Check("fused_mlp", lambda: check_fused_mlp(d, s), (5, 2),
                   compiles(lambda: fused_mlp_graphs(s)), cpu_skip=fused_mlp_cpu_skip),
@@ -1236,6 +1322,9 @@ class SmokePlan:
             Check("fused_mlp_speed", lambda: report_fused_mlp_speed(d, s), (5, 1),
                   compiles(lambda: fused_mlp_speed_graphs(s)), info=True,
                   cuda_only="FP8 hardware speed: no FP8 tensor cores on a CPU"),
+            Check("fused_loss_speed", lambda: report_fused_loss_speed(d, s), (5, 1),
+                  compiles(lambda: fused_loss_speed_graphs(s)), info=True,
+                  cuda_only="the fused loss kernel's speed on a GPU"),
         ]
         if with_pytest:  # heavy: its own process runs these checks again, and tests/test_kernels.py
             checks.append(Check("gpu_tests", lambda: run_pytest(d), (60 + sum(c.work_s[0] for c in checks), 120),
