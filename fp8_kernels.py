@@ -233,9 +233,12 @@ def _(grad_out, w2, pre):
 # ---- the FP8 head's softcapped loss and its e5m2 logit gradient (speedrun::softcap_loss)
 E5M2_MAX = tl.constexpr(57344.0)
 E5M2_MIN_NORMAL = tl.constexpr(2.0 ** -14)
-# (columns a tile, warps): a program walks one row of logits in tiles, twice (the second pass finds
-# the row in L2: 50,304 bf16 logits are 100 KB)
+# (columns a tile, warps): a program walks a row of logits in tiles, twice; the second pass should
+# find the row in L2 (50,304 bf16 logits are 100 KB), so a CUDA launch has LOSS_PROGRAMS_PER_SM
+# programs an SM, each taking rows in turn: 2 x 132 rows in flight on an H100, 26 MB of its 50 MB
+# L2 (one program a row could put ~1,000 rows in flight, past L2)
 LOSS_TILE = (2048, 8)
+LOSS_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -288,9 +291,22 @@ def _softcap_loss_kernel(logits_ptr, targets_ptr, weights_ptr, masks_ptr, announ
                          terms_ptr, grad_ptr, n, V, s_row, offset, scale, inv_width, inv_grad_s,
                          WIDTH: tl.constexpr, K: tl.constexpr, HAS_MASKS: tl.constexpr,
                          ROUND: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    # (grad_total (scale / SOFTCAP_WIDTH) / grad_s) in softcap_loss_grad's order
+    factor = tl.load(announced_ptr) * (inv_width * scale) * inv_grad_s
+    for row in range(tl.program_id(0), n, tl.num_programs(0)):
+        _softcap_loss_row(logits_ptr, targets_ptr, weights_ptr, masks_ptr, terms_ptr, grad_ptr,
+                          row, n, V, s_row, offset, scale, factor, WIDTH, K, HAS_MASKS, ROUND,
+                          BLOCK)
+
+
+@triton.jit
+def _softcap_loss_row(logits_ptr, targets_ptr, weights_ptr, masks_ptr, terms_ptr, grad_ptr, row,
+                      n, V, s_row, offset, scale, factor, WIDTH: tl.constexpr, K: tl.constexpr,
+                      HAS_MASKS: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's loss terms and e5m2 gradient, in two passes over its logits."""
     cols = tl.arange(0, BLOCK)
-    base = logits_ptr + row.to(tl.int64) * s_row
+    row64 = tl.zeros((), dtype=tl.int64) + row  # (n V passes 2^31)
+    base = logits_ptr + row64 * s_row
     # pass 1: the softcapped row's max and sum of exp, rescaled tile by tile
     top = tl.full((), -3.0e38, tl.float32)
     total = tl.zeros((), dtype=tl.float32)
@@ -310,9 +326,7 @@ def _softcap_loss_kernel(logits_ptr, targets_ptr, weights_ptr, masks_ptr, announ
         term = lse - scale * _softcap_sigmoid(picked, offset, WIDTH, ROUND)
         tl.store(terms_ptr + k * n + row, tl.where(counted, term, 0.0))
         count += tl.where(counted, weight, 0.0)
-    # (grad_total (scale / SOFTCAP_WIDTH) / grad_s) in softcap_loss_grad's order
-    factor = tl.load(announced_ptr) * (inv_width * scale) * inv_grad_s
-    out = grad_ptr + row.to(tl.int64) * V
+    out = grad_ptr + row64 * V
     # pass 2: dz = p count - hot, then factor dz s (1 - s), saturated and rounded to e5m2
     for c0 in range(0, V, BLOCK):
         c = c0 + cols
@@ -337,9 +351,18 @@ def _interpreter_takes_loop_bounds():  # once: the patch wraps the interpreter's
     train_gpt._squeeze_interpreter_loop_bounds()
 
 
+def loss_programs(logits):
+    """How many programs the loss kernel launches: a few an SM on CUDA, else one a row."""
+    if logits.device.type != "cuda":
+        return logits.size(0)
+    sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
+    return min(logits.size(0), sms * LOSS_PROGRAMS_PER_SM)
+
+
 def launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_sigmoid,
-                        announced, grad_s, tile=LOSS_TILE):
-    """(per-horizon loss sums (K,) fp32, e5m2 gradient (n, V)) of bf16 logits (n, V)."""
+                        announced, grad_s, tile=LOSS_TILE, programs=None):
+    """(per-horizon loss sums (K,) fp32, e5m2 gradient (n, V)) of bf16 logits (n, V); `programs`:
+    how many (loss_programs by default)."""
     import train_gpt
 
     _check_rows("softcap_loss", logits)
@@ -351,7 +374,7 @@ def launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_si
     grad = logits.new_empty(n, vocab, dtype=torch.float8_e5m2)
     # 1 / grad_s as softcap_loss_grad's fp32 reciprocal of fp32(grad_s)
     inv_grad_s = torch.tensor(grad_s, dtype=torch.float32).reciprocal().item()
-    _softcap_loss_kernel[(n,)](
+    _softcap_loss_kernel[(programs or loss_programs(logits),)](
         logits, targets, weights.float(), targets if masks is None else masks.contiguous(),
         announced, terms, grad.view(torch.uint8), n, vocab, logits.stride(0), offset, scale,
         1 / train_gpt.SOFTCAP_WIDTH, inv_grad_s, WIDTH=train_gpt.SOFTCAP_WIDTH, K=horizons,

@@ -191,25 +191,28 @@ def _check_loss(sums, grad, reference):
     return low != high
 
 
-def _losses(kernels, logits, targets, weights, masks, softcap, grad_s):
+def _losses(kernels, logits, targets, weights, masks, softcap, grad_s, programs):
     announced = torch.tensor(0.5)
     fused = kernels.launch_softcap_loss(logits, targets, weights, masks, *softcap, announced,
-                                        grad_s, tile=LOSS_TILE)
+                                        grad_s, tile=LOSS_TILE, programs=programs)
     unfused = tg.softcap_loss_blocks(logits, targets, weights, softcap, masks, announced, grad_s)
     return fused, unfused, _float64_loss(logits, targets, weights, masks, softcap, 0.5, grad_s)
 
 
-LOSS_CASES = [  # (horizons, masked, round_sigmoid, grad_s): 2^-17 saturates the largest entries
-    pytest.param(3, True, True, 2.0 ** -17, id="3 horizons, masks, bf16 sigmoid, saturating"),
-    pytest.param(1, False, False, 2.0 ** -6, id="1 horizon, fp32 sigmoid"),
-    pytest.param(3, False, True, 2.0 ** -6, id="3 horizons, bf16 sigmoid",
+# (horizons, masked, round_sigmoid, grad_s, programs): 2^-17 saturates the largest entries; 5
+# programs take the 24 rows in turn, as a CUDA launch does (loss_programs)
+LOSS_CASES = [
+    pytest.param(3, True, True, 2.0 ** -17, 5, id="3 horizons, masks, bf16 sigmoid, saturating"),
+    pytest.param(1, False, False, 2.0 ** -6, None, id="1 horizon, fp32 sigmoid"),
+    pytest.param(3, False, True, 2.0 ** -6, None, id="3 horizons, bf16 sigmoid",
                  marks=pytest.mark.slow),
-    pytest.param(2, True, False, 2.0 ** -17, id="2 horizons, masks, saturating",
+    pytest.param(2, True, False, 2.0 ** -17, 7, id="2 horizons, masks, saturating",
                  marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("horizons, masked, round_sigmoid, grad_s", LOSS_CASES)
-def test_softcap_loss_kernel_matches_the_torch_path(horizons, masked, round_sigmoid, grad_s):
+@pytest.mark.parametrize("horizons, masked, round_sigmoid, grad_s, programs", LOSS_CASES)
+def test_softcap_loss_kernel_matches_the_torch_path(horizons, masked, round_sigmoid, grad_s,
+                                                    programs):
     """The op's sums and e5m2 gradient against softcap_loss_blocks', both within the float64
     error model (_float64_loss); the e5m2 entries are equal except where the bound straddles a
     rounding midpoint. NO_TARGET targets and masked rows with masks."""
@@ -225,7 +228,7 @@ def test_softcap_loss_kernel_matches_the_torch_path(horizons, masked, round_sigm
         masks = tg.horizon_masks(targets, loss_mask, horizons)
     weights = torch.tensor([1.0, 0.5, 0.25][:horizons])
     (sums, grad), (want_sums, want_grad), reference = _losses(
-        kernels, logits, targets, weights, masks, softcap, grad_s)
+        kernels, logits, targets, weights, masks, softcap, grad_s, programs)
     assert sums.dtype == torch.float32 and grad.dtype == torch.float8_e5m2
     near = _check_loss(sums, grad, reference)
     _check_loss(want_sums, want_grad, reference)  # the error model holds the torch path too
