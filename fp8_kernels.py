@@ -229,7 +229,6 @@ def _(grad_out, w2, pre):
     return torch.empty_like(pre, memory_format=torch.contiguous_format)
 
 
-
 # ---- the FP8 head's softcapped loss and its e5m2 logit gradient (speedrun::softcap_loss)
 E5M2_MAX = tl.constexpr(57344.0)
 E5M2_MIN_NORMAL = tl.constexpr(2.0 ** -14)
