@@ -253,7 +253,7 @@ def test_fused_mlp_ops_are_priced_as_their_gemms():
     relu^2 gradient: 2 M N K in bf16, reading the gradient, W2 and pre, writing the gradient of pre.
     Error model: none (integers)."""
     M, N, K = 512, 3072, 768
-    kernels = sc.fused_mlp_kernels()
+    kernels = sc.fused_kernels()
     block_m, block_n = kernels.UP_TILE[:2]
     tiles = (M // block_m) * (N // block_n)
     ops, ledger = traced_ops(torch.ops.speedrun.fp8_up_relu_square, ((M, K), E4M3), ((N, K), E4M3),
@@ -275,7 +275,7 @@ def test_fused_loss_op_is_priced_as_one_read_of_the_logits():
     gradient and 3 fp32 loss sums. No FLOPs, its own kernel (not fused with its neighbours), 6
     special functions per logit (two sigmoids, two exps). Error model: none (integers)."""
     R, V = 256, 50304
-    sc.fused_mlp_kernels()  # registers the op
+    sc.fused_kernels()  # registers the op
     ops, ledger = traced_ops(
         lambda l, t, w, a: torch.ops.speedrun.softcap_loss(l, t, w, None, 23.0, 5.0, True, a, 0.5),
         ((R, V), BF16), ((R,), torch.int64), ((3,), F32), ((), F32))

@@ -141,7 +141,7 @@ METADATA = {"size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "d
 FUSED_MLP_KINDS = {"fp8_up_relu_square": "matmul fp8", "relu_square_grad": "matmul bf16"}
 
 
-def fused_mlp_kernels():
+def fused_kernels():
     """fp8_kernels.py, its ops registered (None without Triton: the GPU path runs unfused)."""
     return tg.load_companion("fp8_kernels.py") if tg.HAS_TRITON else None
 
@@ -153,12 +153,12 @@ def fused_mlp_gemm_flops(a_shape, b_shape, *args, **kwargs):
 
 def fused_mlp_tiles(name, args):
     """The programs (output tiles) a fused MLP op launches, at its kernel's tile."""
-    kernels = fused_mlp_kernels()
+    kernels = fused_kernels()
     tile = kernels.UP_TILE if name == "fp8_up_relu_square" else kernels.GRAD_TILE
     return kernels.tile_count(args[0].shape[0], args[1].shape[0], tile)
 
 
-if fused_mlp_kernels():
+if fused_kernels():
     for _op in (torch.ops.speedrun.fp8_up_relu_square, torch.ops.speedrun.relu_square_grad):
         register_flop_formula(_op)(fused_mlp_gemm_flops)
 
