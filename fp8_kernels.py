@@ -358,12 +358,11 @@ def loss_programs(logits):
     return min(logits.size(0), sms * LOSS_PROGRAMS_PER_SM)
 
 
-def launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_sigmoid,
+def launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_sigmoid, width,
                         announced, grad_s, tile=LOSS_TILE, programs=None):
-    """(per-horizon loss sums (K,) fp32, e5m2 gradient (n, V)) of bf16 logits (n, V); `programs`:
-    how many (loss_programs by default)."""
-    import train_gpt
-
+    """(per-horizon loss sums (K,) fp32, e5m2 gradient (n, V)) of bf16 logits (n, V), softcapped
+    as scale * sigmoid((logits + offset) / width); `programs`: how many (loss_programs by
+    default)."""
     _check_rows("softcap_loss", logits)
     if os.environ.get("TRITON_INTERPRET") == "1":
         _interpreter_takes_loop_bounds()
@@ -376,20 +375,20 @@ def launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_si
     _softcap_loss_kernel[(programs or loss_programs(logits),)](
         logits, targets, weights.float(), targets if masks is None else masks.contiguous(),
         announced, terms, grad.view(torch.uint8), n, vocab, logits.stride(0), offset, scale,
-        1 / train_gpt.SOFTCAP_WIDTH, inv_grad_s, WIDTH=train_gpt.SOFTCAP_WIDTH, K=horizons,
+        1 / width, inv_grad_s, WIDTH=width, K=horizons,
         HAS_MASKS=masks is not None, ROUND=round_sigmoid, BLOCK=block, num_warps=warps)
     return terms.sum(dim=1), grad
 
 
 @torch.library.custom_op("speedrun::softcap_loss", mutates_args=())
 def softcap_loss(logits: Tensor, targets: Tensor, weights: Tensor, masks: Tensor | None,
-                 scale: float, offset: float, round_sigmoid: bool, announced: Tensor,
-                 grad_s: float) -> tuple[Tensor, Tensor]:
+                 scale: float, offset: float, round_sigmoid: bool, width: float,
+                 announced: Tensor, grad_s: float) -> tuple[Tensor, Tensor]:
     return launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_sigmoid,
-                               announced, grad_s)
+                               width, announced, grad_s)
 
 
 @softcap_loss.register_fake
-def _(logits, targets, weights, masks, scale, offset, round_sigmoid, announced, grad_s):
+def _(logits, targets, weights, masks, scale, offset, round_sigmoid, width, announced, grad_s):
     return (weights.new_empty(weights.numel(), dtype=torch.float32),
             logits.new_empty(logits.shape, dtype=torch.float8_e5m2))

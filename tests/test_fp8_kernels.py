@@ -193,8 +193,9 @@ def _check_loss(sums, grad, reference):
 
 def _losses(kernels, logits, targets, weights, masks, softcap, grad_s, programs):
     announced = torch.tensor(0.5)
-    fused = kernels.launch_softcap_loss(logits, targets, weights, masks, *softcap, announced,
-                                        grad_s, tile=LOSS_TILE, programs=programs)
+    fused = kernels.launch_softcap_loss(logits, targets, weights, masks, *softcap,
+                                        tg.SOFTCAP_WIDTH, announced, grad_s, tile=LOSS_TILE,
+                                        programs=programs)
     unfused = tg.softcap_loss_blocks(logits, targets, weights, softcap, masks, announced, grad_s)
     return fused, unfused, _float64_loss(logits, targets, weights, masks, softcap, 0.5, grad_s)
 
@@ -260,7 +261,7 @@ def test_the_loss_ops_fake_implementation_matches():
     logits = torch.randn(4, 64).bfloat16()
     torch.library.opcheck(kernels.softcap_loss,
                           (logits, torch.arange(4), torch.ones(2), None, 30.0, 1.5, True,
-                           torch.ones(()), 2.0 ** -6), test_utils="test_faketensor")
+                           tg.SOFTCAP_WIDTH, torch.ones(()), 2.0 ** -6), test_utils="test_faketensor")
 
 
 def test_fp8_softcap_loss_calls_the_op_with_its_arguments():

@@ -277,7 +277,8 @@ def test_fused_loss_op_is_priced_as_one_read_of_the_logits():
     R, V = 256, 50304
     sc.fused_kernels()  # registers the op
     ops, ledger = traced_ops(
-        lambda l, t, w, a: torch.ops.speedrun.softcap_loss(l, t, w, None, 23.0, 5.0, True, a, 0.5),
+        lambda l, t, w, a: torch.ops.speedrun.softcap_loss(l, t, w, None, 23.0, 5.0, True, 7.5, a,
+                                                          0.5),
         ((R, V), BF16), ((R,), torch.int64), ((3,), F32), ((), F32))
     op = only_op(ops, "softcap_loss")
     assert (op.flops, op.fusable, op.sfu) == (0, False, 6 * R * V)

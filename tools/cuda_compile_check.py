@@ -1019,7 +1019,7 @@ class RecordRun:
                 kernels.launch_softcap_loss,
                 (meta(tokens, vocab), meta(tokens, dtype=torch.int64),
                  meta(self.tg.MTP_HORIZON, dtype=torch.float32), None, *softcap,
-                 meta((), dtype=torch.float32), grad_s),
+                 self.tg.SOFTCAP_WIDTH, meta((), dtype=torch.float32), grad_s),
             ),
         }
 

@@ -952,8 +952,8 @@ def check_fused_loss_op(logits, targets, weights, grad_total, grad_s, device):
     rows = logits.size(0) if device.type == "cuda" else FUSED_LOSS_INTERPRETED_ROWS
     logits, targets, vocab = logits[:rows], targets[:rows], logits.size(1)
     kernels = tg.load_companion("fp8_kernels.py")
-    sums, grad = kernels.softcap_loss(logits, targets, weights, None, *HEAD_SOFTCAP, grad_total,
-                                      grad_s)
+    sums, grad = kernels.softcap_loss(logits, targets, weights, None, *HEAD_SOFTCAP,
+                                      tg.SOFTCAP_WIDTH, grad_total, grad_s)
     want_sums, want_grad = tg.softcap_loss_blocks(logits, targets, weights, HEAD_SOFTCAP, None,
                                                   grad_total, grad_s)
     exact = kernel_order_logit_grad(logits, targets, weights, HEAD_SOFTCAP, 1.0, grad_s)
@@ -982,8 +982,8 @@ def report_fused_loss_speed(device, size):
     grad_total, grad_s = torch.ones((), device=device), HEAD_FP8_SCALES[2]
     kernels = tg.load_companion("fp8_kernels.py")
     blocks = torch.compile(tg.softcap_loss_blocks)
-    runs = (lambda: kernels.softcap_loss(logits, targets, weights, None, *HEAD_SOFTCAP, grad_total,
-                                         grad_s),
+    runs = (lambda: kernels.softcap_loss(logits, targets, weights, None, *HEAD_SOFTCAP,
+                                         tg.SOFTCAP_WIDTH, grad_total, grad_s),
             lambda: blocks(logits, targets, weights, HEAD_SOFTCAP, None, grad_total, grad_s))
     start = time.perf_counter()
     for run in runs:
