@@ -10,6 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -146,8 +147,9 @@ QUICKSTART_GAIN = 0.3  # nats below its start that the quickstart must end (issu
 
 def run_readme_quickstart(folder, command):
     """Run the README's ./run.sh command as a newcomer would, on a fresh copy of run.sh,
-    train_gpt.py and its companion files in folder (no GPU, no shards); returns its
-    {step: val loss}."""
+    train_gpt.py and its companion files in folder (no GPU, no shards), on as many torch threads
+    as this process has (its default on an idle machine; one under pytest-xdist's two workers,
+    where two would oversubscribe the cores); returns its {step: val loss}."""
     (folder / "data").mkdir()
     for name in ("run.sh", "train_gpt.py", "ngram_prior.py", "data/synthetic.py"):
         shutil.copy2(ROOT / name, folder / name)
@@ -155,6 +157,7 @@ def run_readme_quickstart(folder, command):
     env = {k: v for k, v in os.environ.items() if k not in launcher}
     # run.sh's CPU path, with this interpreter
     env.update(CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
+    command = f"{command} --cpu_threads {torch.get_num_threads()}"
     result = subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True,
                             text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -181,8 +184,9 @@ def test_readme_quickstart_ends_where_the_readme_says(tmp_path, capsys):
     learns: it ends at least 0.3 nats below where it starts, and below the count model of its
     corpus, whose loss (tools/ngram_baseline.py --order 5 on the generated shards) is the one the
     README states. A README left behind by a change to the cpu preset or the corpus fails here.
-    Error model: at a fixed thread count the run is deterministic; another thread count or machine
-    sums fp32 in another order, which 34 steps of training can amplify: in the runs without a prior
+    Error model: at a fixed thread count the run is deterministic; another thread count (one in the
+    suite's workers; the README's run had two) or machine sums fp32 in another order, which 34
+    steps of training can amplify: in the runs without a prior
     of docs/smaller-gpus.md, --cpu_threads 1 and 2 moved a 32-step run's final loss by 0.0146. The
     README states two decimals (rounding: up to 0.005 off); twice that spread on top gives 0.035, a
     tenth of the gain checked. The count model is float64 arithmetic on integer counts, the same on
