@@ -285,6 +285,23 @@ def test_fused_loss_op_is_priced_as_one_read_of_the_logits():
     assert ledger.op_bytes(op) == (2 * R * V + 8 * R + 12 + 4, R * V + 12)
 
 
+@pytest.mark.skipif(not tg.HAS_TRITON, reason="the fused loss's op needs Triton")
+def test_the_fused_loss_op_keeps_its_price_beside_inductors_kernels():
+    """Its kernel is ours, not Inductor's: an inventory (--kernels) replaces the pointwise work
+    Inductor compiles, not the op. Error model: none (the same sums in another order, rel 1e-12)."""
+    R, V = 256, 50304
+    sc.fused_kernels()
+    ops, ledger = traced_ops(
+        lambda l, t, w, a: torch.ops.speedrun.softcap_loss(l, t, w, None, 23.0, 5.0, True, 7.5, a,
+                                                          0.5)[0] * 2,
+        ((R, V), BF16), ((R,), torch.int64), ((3,), F32), ((), F32))
+    loss = only_op(ops, "softcap_loss")
+    alone = sc.cost_of(ledger, [loss], H100)
+    real = sc.cost_of(ledger, ops, H100, real=[("triton_poi_fused_mul_0", 24, 1)])
+    assert real["seconds"]["pointwise/reduction"] == pytest.approx(
+        alone["seconds"]["pointwise/reduction"] + H100["launch"], rel=1e-12)
+
+
 def test_loss_and_copy_stand_ins_move_their_tensors():
     """ce_fwd_bwd reads each row's bf16 logits, the int64 targets and the MTP weights and writes the fp32 losses
     and the e5m2 gradient; the quantize-transpose reads the strided down projections (12 of the bank's 24

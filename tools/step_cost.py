@@ -18,7 +18,7 @@ tracer). Ideal fusion: a tensor made by a pointwise/reduction op, read only by s
 same phase (forward, backward, optimizer) never reaches memory; the ops joined by such tensors are one kernel.
 With --kernels (the CUDA compile check's kernel inventory) ours' forward and backward are priced
 by the kernels Inductor really generated instead: their calls for the launch floor, their bytes
-read and written.
+read and written (our own kernels' custom ops, which Inductor only calls, stay as traced).
 Each op costs its roofline time, max(FLOPs / peak of its class, bytes / HBM bandwidth), with what a
 roofline misses (attention at its backend's efficiency, GEMM waves over the SMs, a looped reduction's
 second pass, special functions, a hand-written kernel's occupancy), and each kernel at least the
@@ -266,6 +266,9 @@ class Op:
     sent: float = 0.0  # bytes this rank sends (collectives)
     shape: str = ""  # dtype and shape of its largest output, to tell ops of one name apart
     fusable: bool = False  # a pointwise/reduction op a compiler may fuse with its neighbours
+    # a custom op of ours (speedrun::) with its own kernel: not in Inductor's inventory (--kernels),
+    # so priced as traced there too
+    own_kernel: bool = False
     tiles: int = 0  # a GEMM's output tiles (GEMM_TILE), for its waves over the SMs
     efficiency: float = 1.0  # the share of its class's peak it reaches (attention: by backend)
     sfu: int = 0  # special-function results it computes
@@ -368,6 +371,7 @@ class Ledger(LiveMemory):
         fusable = (kind == "pointwise/reduction" and name not in UNFUSABLE
                    and func.namespace not in ("step_cost", "speedrun", reference_step.NAMESPACE))
         op = Op(name, kind, self.phase, int(flops), reads, writes, shape=shape, fusable=fusable,
+                own_kernel=func.namespace == "speedrun",
                 numel=0 if largest is None else largest.numel(), index=len(self.ops))
         if kind == "collectives":
             op.sent = self._sent_bytes(name, tensors_in)
@@ -874,7 +878,7 @@ KERNEL_NAME_CHARS = 60  # an item per kernel name's start: the loss's chunk kern
 
 def compiled_work(op):
     """Work of the forward and backward that Inductor's Triton kernels do (the real kernels')."""
-    return op.kind == COMPILED and op.phase in ("forward", "backward")
+    return op.kind == COMPILED and op.phase in ("forward", "backward") and not op.own_kernel
 
 
 def add_seconds(totals, weight, op, extra):
