@@ -115,16 +115,23 @@ U = 2.0 ** -24  # fp32's unit roundoff
 LOSS_ROWS, VOCAB, LOSS_TILE = 24, 300, (128, 4)  # 3 column tiles a row, the last partial
 
 
+def _sigmoid_spread(logits, softcap, s):
+    """How far the kernel's fp32 sigmoid may be from torch's s (float64 of its fp32 values):
+    (8u + 5u (1 - s)|a|) s, a = (x + offset) / width (_float64_loss's model)."""
+    a = (logits.double() + softcap.offset) / tg.SOFTCAP_WIDTH
+    return (8 * U + 5 * U * (1 - s) * a.abs()) * s
+
+
 def _unambiguous_logits(rows, seed, softcap):
-    """Random bf16 logits, each nudged (to the next bf16 value) until its fp32 sigmoid is not
-    within 8 ulps of a bf16 rounding midpoint: there, round_sigmoid's bf16 s could differ between
-    the kernel's sigmoid and torch's by a whole bf16 step (one in ~8,000 entries)."""
+    """Random bf16 logits, each nudged (to the next bf16 value) until its fp32 sigmoid is farther
+    from a bf16 rounding midpoint than the two paths' sigmoids may be apart: there, round_sigmoid's
+    bf16 s could differ between the kernel and torch by a whole bf16 step (one in ~8,000 entries)."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, VOCAB, generator=g) * 8).bfloat16()
     for _ in range(20):
         raw = tg.training_sigmoid(logits, softcap._replace(round_sigmoid=False), 0, rows).double()
         step = 2.0 ** (torch.floor(torch.log2(raw)) - 8)  # a bf16 step at s
-        near = ((raw / step) % 1 - 0.5).abs() * step < 8 * U * raw
+        near = ((raw / step) % 1 - 0.5).abs() * step < _sigmoid_spread(logits, softcap, raw)
         if not near.any():
             return logits
         logits = torch.where(near, torch.nextafter(logits.float(), torch.tensor(99.0)).bfloat16(),
@@ -136,7 +143,10 @@ def _float64_loss(logits, targets, weights, masks, softcap, announced, grad_s):
     """The loss sums and the gradient before its e5m2 cast in float64, from training_sigmoid's fp32
     s (the one rounded value both paths share), with each fp32 path's error bound (one path's;
     u = 2^-24, n rows, V columns):
-    - z = scale s: u|z| + (unrounded s) 4u scale s (sigmoid's exp, add, divide);
+    - z = scale s: u|z| + scale |ds|, where an unrounded s (fp32 sigmoid) differs from torch's by
+      ds = (8u + 5u (1 - s)|a|) s (_sigmoid_spread), a = (x + offset) / width: the argument's
+      roundings (torch: add, divide; the kernel: add, fp32(1 / width), multiply) through the
+      sigmoid's slope s (1 - s), and each path's exp, add and reciprocal (within 4u each);
     - lse: max |dz| + (V + 4) u + 2u |lse| (the sum of V exps, log);
     - p = exp(z - lse): relative |dz| + |dlse| + u |z - lse| + 2u;
     - g = factor dz s (1 - s): |factor| (|p count| (dp + 2u) + 2u |dz|) s (1 - s)
@@ -146,7 +156,7 @@ def _float64_loss(logits, targets, weights, masks, softcap, announced, grad_s):
     s32 = tg.training_sigmoid(logits, softcap, 0, rows)
     s = s32.double()
     z = softcap.scale * s
-    ds = 0.0 if softcap.round_sigmoid else 4 * U * s
+    ds = 0.0 if softcap.round_sigmoid else _sigmoid_spread(logits, softcap, s)
     dz = U * z.abs() + softcap.scale * ds
     lse = torch.logsumexp(z, dim=1, keepdim=True)
     dlse = dz.amax(dim=1, keepdim=True) + (vocab + 4) * U + 2 * U * lse.abs()
