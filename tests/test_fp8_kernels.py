@@ -125,7 +125,8 @@ def _sigmoid_spread(logits, softcap, s):
 def _unambiguous_logits(rows, seed, softcap):
     """Random bf16 logits, each nudged (to the next bf16 value) until its fp32 sigmoid is farther
     from a bf16 rounding midpoint than the two paths' sigmoids may be apart: there, round_sigmoid's
-    bf16 s could differ between the kernel and torch by a whole bf16 step (one in ~8,000 entries)."""
+    bf16 s could differ between the kernel and torch by a whole bf16 step (one in ~8,000
+    entries)."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, VOCAB, generator=g) * 8).bfloat16()
     for _ in range(20):
@@ -192,7 +193,8 @@ def _e5m2(x):
 def _check_loss(sums, grad, reference):
     """sums and grad (e5m2) within one fp32 path's error bound of the float64 values: each e5m2
     entry is the rounding of a value within that bound (two candidates where the bound straddles a
-    rounding midpoint, at most one e5m2 step apart). Returns the entries where a midpoint was near."""
+    rounding midpoint, at most one e5m2 step apart). Returns the entries where a midpoint was
+    near."""
     want_sums, sum_bounds, g, g_bound = reference
     assert ((sums.double() - want_sums).abs() <= sum_bounds).all(), (sums, want_sums, sum_bounds)
     low, high = _e5m2(g - g_bound), _e5m2(g + g_bound)
@@ -271,7 +273,8 @@ def test_the_loss_ops_fake_implementation_matches():
     logits = torch.randn(4, 64).bfloat16()
     torch.library.opcheck(kernels.softcap_loss,
                           (logits, torch.arange(4), torch.ones(2), None, 30.0, 1.5, True,
-                           tg.SOFTCAP_WIDTH, torch.ones(()), 2.0 ** -6), test_utils="test_faketensor")
+                           tg.SOFTCAP_WIDTH, torch.ones(()), 2.0 ** -6),
+                          test_utils="test_faketensor")
 
 
 def test_fp8_softcap_loss_calls_the_op_with_its_arguments():

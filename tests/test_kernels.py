@@ -76,10 +76,11 @@ SMALL_TILES = (16, 16, 2, 1)
 @needs_triton
 @pytest.mark.parametrize("config", [*tg.SYM_CONFIGS, SMALL_TILES], ids=str)
 def test_every_tile_config_computes_the_products(config):
-    """Each autotune candidate gives the torch result for both kernels (the smoke's check, at this shape),
-    and so do small 16x16 tiles on 104 rows (7 row blocks, the last one ragged: 28 lower-triangle programs,
-    every (i, j) covered once; the interpreter runs each program, so not 200 rows' 91). The tolerance is
-    the dtype's, whatever the rows: fewer rows only shorten the sums of A·A (fp32: ~sqrt(n) x 2^-24)."""
+    """Each autotune candidate gives the torch result for both kernels (the smoke's check, at this
+    shape), and so do small 16x16 tiles on 104 rows (7 row blocks, the last one ragged: 28
+    lower-triangle programs, every (i, j) covered once; the interpreter runs each program, so not
+    200 rows' 91). The tolerance is the dtype's, whatever the rows: fewer rows only shorten the
+    sums of A·A (fp32: ~sqrt(n) x 2^-24)."""
     rows = 104 if config == SMALL_TILES else 200
     errors, tolerance = symmetric_kernel_errors(config, (rows, 72), torch.device(DEV))
     assert max(errors) <= tolerance, errors

@@ -919,7 +919,8 @@ def check_fused_fp8_loss(device, size):
     return detail
 
 
-# rows of the fused loss op's check under Triton's interpreter (a CPU runs each row's program in Python)
+# rows of the fused loss op's check under Triton's interpreter (a CPU runs each row's program in
+# Python)
 FUSED_LOSS_INTERPRETED_ROWS = 32
 
 
@@ -964,9 +965,9 @@ def check_fused_loss_op(logits, targets, weights, grad_total, grad_s, device):
     steps = e5m2_steps_apart(grad, want_grad).max().item()
     differ = (grad != want_grad).float().mean().item()
     differ_exact = (grad != exact).float().mean().item()
-    detail = (f"the op at {rows:,} rows: loss sums' error / bound {sum_ratio:.2f}; gradient entries "
-              f"differing from the torch path {differ:.1e} (at most {steps} e5m2 step), from "
-              f"float64 {differ_exact:.1e}")
+    detail = (f"the op at {rows:,} rows: loss sums' error / bound {sum_ratio:.2f}; gradient "
+              f"entries differing from the torch path {differ:.1e} (at most {steps} e5m2 step), "
+              f"from float64 {differ_exact:.1e}")
     require(sum_ratio <= 1 and steps <= 1 and differ_exact < 1e-3, detail)
     return detail
 
@@ -998,11 +999,13 @@ def report_fused_loss_speed(device, size):
 
 
 def fused_loss_speed_graphs(size):
-    return [("fp8", f"the fused FP8 loss's torch path (softcap_loss_blocks) at {size.head[0]:,} rows")]
+    return [("fp8", f"the fused FP8 loss's torch path (softcap_loss_blocks) at "
+                    f"{size.head[0]:,} rows")]
 
 
 def fused_loss_graphs(size):
-    return [("fp8", f"the fused FP8 loss's logit gradient at {min(FUSED_LOSS_CHECK_ROWS, size.head[0]):,} rows"),
+    rows = min(FUSED_LOSS_CHECK_ROWS, size.head[0])
+    return [("fp8", f"the fused FP8 loss's logit gradient at {rows:,} rows"),
             ("triton", "the fused loss op's kernel (fp8_kernels.py)")]
 
 
@@ -1304,7 +1307,8 @@ class SmokePlan:
             Check("compiled_vs_eager", record.check_compiled_vs_eager, (5, 4), compiles(record.eager_reference_graphs),
                   then=record.close, needs=timed),
             Check("fp8_head", lambda: check_fp8_head(d, s), (5, 2), compiles(lambda: fp8_head_graphs(record, s))),
-            Check("fused_fp8_loss", lambda: check_fused_fp8_loss(d, s), (5, 5), compiles(lambda: fused_loss_graphs(s))),
+            Check("fused_fp8_loss", lambda: check_fused_fp8_loss(d, s), (5, 5),
+                  compiles(lambda: fused_loss_graphs(s))),
             Check("mlp_weight_gradients", lambda: check_mlp_weight_gradients(d, s), (5, 2)),
             Check("fused_mlp", lambda: check_fused_mlp(d, s), (5, 2),
                   compiles(lambda: fused_mlp_graphs(s)), cpu_skip=fused_mlp_cpu_skip),
