@@ -1623,8 +1623,7 @@ class FP8SoftcapLoss(torch.autograd.Function):
         announced = logits.new_tensor(grad_scale, dtype=torch.float32)
         if fused:  # fp8_kernels.py's op (Backend.fused): one read of each row of logits
             sums, grad = torch.ops.speedrun.softcap_loss(logits, targets, weights, masks, *softcap,
-                                                         SOFTCAP_WIDTH,
-                                                         announced, fp8_scales[2])
+                                                         SOFTCAP_WIDTH, announced, fp8_scales[2])
         else:
             sums, grad = softcap_loss_blocks(logits, targets, weights, softcap, masks, announced,
                                              fp8_scales[2])
