@@ -344,13 +344,6 @@ def _softcap_loss_row(logits_ptr, targets_ptr, weights_ptr, masks_ptr, terms_ptr
         tl.store(out + c, _e5m2_bits(_round_e5m2(g)), mask=c < V)
 
 
-@functools.cache
-def _interpreter_takes_loop_bounds():  # once: the patch wraps the interpreter's
-    import train_gpt
-
-    train_gpt._squeeze_interpreter_loop_bounds()
-
-
 def loss_programs(logits):
     """How many programs the loss kernel launches: a few an SM on CUDA, else one a row."""
     if logits.device.type != "cuda":
@@ -366,7 +359,9 @@ def launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_si
     default)."""
     _check_rows("softcap_loss", logits)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        _interpreter_takes_loop_bounds()
+        import train_gpt
+
+        train_gpt._squeeze_interpreter_loop_bounds()
     (n, vocab), horizons = logits.shape, weights.numel()
     block, warps = tile
     terms = logits.new_empty(horizons, n, dtype=torch.float32)

@@ -31,6 +31,7 @@ def smoke(request, tmp_path_factory):
 @pytest.mark.parametrize("name", sc.check_names())
 def test_smoke_check(smoke, name):
     check = smoke.check(name)
-    if check.skip_reason(smoke.device):
-        pytest.skip(check.skip_reason(smoke.device))
+    reason = check.skip_reason(smoke.device)
+    if reason:
+        pytest.skip(reason)
     print(f"\n[{smoke.device.type}] {name}: {check.run()}")

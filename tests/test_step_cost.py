@@ -268,18 +268,31 @@ def test_fused_mlp_ops_are_priced_as_their_gemms():
     assert ledger.op_bytes(op) == (2 * (M * K + N * K + M * N), 2 * M * N)
 
 
+LOSS_ROWS, LOSS_VOCAB = 256, 50304
+
+
+def traced_fused_loss(after=None):
+    """(ops, ledger) of speedrun::softcap_loss on LOSS_ROWS x LOSS_VOCAB bf16 logits with 3
+    horizons (softcap 23, offset 5, bf16 sigmoid), then `after` of its loss sums if given."""
+    sc.fused_kernels()  # registers the op
+
+    def loss(logits, targets, weights, announced):
+        out = torch.ops.speedrun.softcap_loss(logits, targets, weights, None, 23.0, 5.0, True,
+                                              7.5, announced, 0.5)
+        return out if after is None else after(out[0])
+
+    return traced_ops(loss, ((LOSS_ROWS, LOSS_VOCAB), BF16), ((LOSS_ROWS,), torch.int64),
+                      ((3,), F32), ((), F32))
+
+
 @pytest.mark.skipif(not tg.HAS_TRITON, reason="the fused loss's op needs Triton")
 def test_fused_loss_op_is_priced_as_one_read_of_the_logits():
     """fp8_kernels.py's speedrun::softcap_loss, as #89's ce_fwd_bwd: reads the bf16 logits once, the
     int64 targets, the 3 fp32 MTP weights and the announced fp32 gradient; writes the e5m2
     gradient and 3 fp32 loss sums. No FLOPs, its own kernel (not fused with its neighbours), 6
     special functions per logit (two sigmoids, two exps). Error model: none (integers)."""
-    R, V = 256, 50304
-    sc.fused_kernels()  # registers the op
-    ops, ledger = traced_ops(
-        lambda l, t, w, a: torch.ops.speedrun.softcap_loss(l, t, w, None, 23.0, 5.0, True, 7.5, a,
-                                                          0.5),
-        ((R, V), BF16), ((R,), torch.int64), ((3,), F32), ((), F32))
+    R, V = LOSS_ROWS, LOSS_VOCAB
+    ops, ledger = traced_fused_loss()
     op = only_op(ops, "softcap_loss")
     assert (op.flops, op.fusable, op.sfu) == (0, False, 6 * R * V)
     assert ledger.op_bytes(op) == (2 * R * V + 8 * R + 12 + 4, R * V + 12)
@@ -289,12 +302,7 @@ def test_fused_loss_op_is_priced_as_one_read_of_the_logits():
 def test_the_fused_loss_op_keeps_its_price_beside_inductors_kernels():
     """Its kernel is ours, not Inductor's: an inventory (--kernels) replaces the pointwise work
     Inductor compiles, not the op. Error model: none (the same sums in another order, rel 1e-12)."""
-    R, V = 256, 50304
-    sc.fused_kernels()
-    ops, ledger = traced_ops(
-        lambda l, t, w, a: torch.ops.speedrun.softcap_loss(l, t, w, None, 23.0, 5.0, True, 7.5, a,
-                                                          0.5)[0] * 2,
-        ((R, V), BF16), ((R,), torch.int64), ((3,), F32), ((), F32))
+    ops, ledger = traced_fused_loss(after=lambda sums: sums * 2)
     loss = only_op(ops, "softcap_loss")
     alone = sc.cost_of(ledger, [loss], H100)
     real = sc.cost_of(ledger, ops, H100, real=[("triton_poi_fused_mul_0", 24, 1)])

@@ -1057,7 +1057,8 @@ def triton_specialization(args):
 
 def record_graphs(run, world_sizes=(1, 8)):
     """The record run's compiles, in the smoke's order of value: the model's, the FP8 helpers', the
-    optimizers' math at each world size, Polar Express's kernels, the fused FP8 MLP's kernels."""
+    optimizers' math at each world size, Polar Express's kernels, fp8_kernels.py's kernels (the
+    fused FP8 MLP's and loss's)."""
     graphs = [
         Graph(
             f"training step at {run.tokens:,} tokens (step {run.step}, forward+backward)",
