@@ -264,11 +264,24 @@ def _e5m2_bits(x):
 
 
 @triton.jit
-def _softcap_sigmoid(x, offset, inv_width, ROUND: tl.constexpr):
-    """train_gpt.training_sigmoid of fp32 logits: sigmoid((x + offset) / SOFTCAP_WIDTH), rounded
-    to bf16 with round_sigmoid; times fp32(1 / width) rather than divided by it (a GPU's fp32
-    division is a reciprocal and a multiply: one special function a logit fewer)."""
-    s = 1.0 / (1.0 + tl.exp(-((x + offset) * inv_width)))
+def _tanh(y, FAST: tl.constexpr):
+    """tanh(y): with FAST (CUDA), sm_75's tanh.approx.f32, one special function (record #89's
+    `__tanhf`; relative error at most 2^-10.987, PTX ISA); else (Triton's interpreter, which runs no
+    PTX) 1 - 2 / (exp(2y) + 1), within a few fp32 roundings."""
+    if FAST:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
+
+
+@triton.jit
+def _softcap_sigmoid(x, offset, inv_width, ROUND: tl.constexpr, FAST: tl.constexpr):
+    """train_gpt.training_sigmoid of fp32 logits, sigmoid((x + offset) / SOFTCAP_WIDTH), as record
+    #89's kernel computes it: 0.5 + 0.5 tanh(a / 2), one special function where 1 / (1 + exp(-a))
+    takes two; rounded to bf16 with round_sigmoid. The argument is times fp32(1 / width), not
+    divided by it (a GPU's fp32 division is a reciprocal and a multiply)."""
+    s = 0.5 + 0.5 * _tanh(0.5 * ((x + offset) * inv_width), FAST)
     if ROUND:
         s = _round_bf16(s)
     return s
@@ -289,20 +302,21 @@ def _horizon(targets_ptr, weights_ptr, masks_ptr, row, n, k: tl.constexpr,
 @triton.jit
 def _softcap_loss_kernel(logits_ptr, targets_ptr, weights_ptr, masks_ptr, announced_ptr,
                          terms_ptr, grad_ptr, n, V, s_row, offset, scale, inv_width, inv_grad_s,
-                         K: tl.constexpr, HAS_MASKS: tl.constexpr,
-                         ROUND: tl.constexpr, BLOCK: tl.constexpr):
+                         K: tl.constexpr, HAS_MASKS: tl.constexpr, ROUND: tl.constexpr,
+                         FAST: tl.constexpr, BLOCK: tl.constexpr):
     # (grad_total (scale / SOFTCAP_WIDTH) / grad_s) in softcap_loss_grad's order
     factor = tl.load(announced_ptr) * (inv_width * scale) * inv_grad_s
     for row in range(tl.program_id(0), n, tl.num_programs(0)):
         _softcap_loss_row(logits_ptr, targets_ptr, weights_ptr, masks_ptr, terms_ptr, grad_ptr,
                           row, n, V, s_row, offset, scale, inv_width, factor, K, HAS_MASKS, ROUND,
-                          BLOCK)
+                          FAST, BLOCK)
 
 
 @triton.jit
 def _softcap_loss_row(logits_ptr, targets_ptr, weights_ptr, masks_ptr, terms_ptr, grad_ptr, row,
                       n, V, s_row, offset, scale, inv_width, factor, K: tl.constexpr,
-                      HAS_MASKS: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_MASKS: tl.constexpr, ROUND: tl.constexpr, FAST: tl.constexpr,
+                      BLOCK: tl.constexpr):
     """One row's loss terms and e5m2 gradient, in two passes over its logits."""
     cols = tl.arange(0, BLOCK)
     row64 = tl.zeros((), dtype=tl.int64) + row  # (n V passes 2^31)
@@ -313,7 +327,8 @@ def _softcap_loss_row(logits_ptr, targets_ptr, weights_ptr, masks_ptr, terms_ptr
     for c0 in range(0, V, BLOCK):
         c = c0 + cols
         x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
-        z = tl.where(c < V, scale * _softcap_sigmoid(x, offset, inv_width, ROUND), float("-inf"))
+        s = _softcap_sigmoid(x, offset, inv_width, ROUND, FAST)
+        z = tl.where(c < V, scale * s, float("-inf"))
         new_top = tl.maximum(top, tl.max(z, axis=0))
         total = total * tl.exp(top - new_top) + tl.sum(tl.exp(z - new_top), axis=0)
         top = new_top
@@ -323,7 +338,7 @@ def _softcap_loss_row(logits_ptr, targets_ptr, weights_ptr, masks_ptr, terms_ptr
         counted, target, weight = _horizon(targets_ptr, weights_ptr, masks_ptr, row, n, k,
                                            HAS_MASKS)
         picked = tl.load(base + tl.maximum(target, 0)).to(tl.float32)
-        term = lse - scale * _softcap_sigmoid(picked, offset, inv_width, ROUND)
+        term = lse - scale * _softcap_sigmoid(picked, offset, inv_width, ROUND, FAST)
         tl.store(terms_ptr + k * n + row, tl.where(counted, term, 0.0))
         count += tl.where(counted, weight, 0.0)
     out = grad_ptr + row64 * V
@@ -331,7 +346,7 @@ def _softcap_loss_row(logits_ptr, targets_ptr, weights_ptr, masks_ptr, terms_ptr
     for c0 in range(0, V, BLOCK):
         c = c0 + cols
         x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
-        s = _softcap_sigmoid(x, offset, inv_width, ROUND)
+        s = _softcap_sigmoid(x, offset, inv_width, ROUND, FAST)
         hot = tl.zeros((BLOCK,), dtype=tl.float32)
         for k in tl.static_range(K):
             counted, target, weight = _horizon(targets_ptr, weights_ptr, masks_ptr, row, n, k,
@@ -342,6 +357,26 @@ def _softcap_loss_row(logits_ptr, targets_ptr, weights_ptr, masks_ptr, terms_ptr
         g = tl.minimum(tl.maximum(g, -E5M2_MAX, propagate_nan=tl.PropagateNan.ALL), E5M2_MAX,
                        propagate_nan=tl.PropagateNan.ALL)
         tl.store(out + c, _e5m2_bits(_round_e5m2(g)), mask=c < V)
+
+
+@triton.jit
+def _sigmoid_kernel(logits_ptr, out_ptr, numel, offset, inv_width, ROUND: tl.constexpr,
+                    FAST: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + i, mask=i < numel, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, _softcap_sigmoid(x, offset, inv_width, ROUND, FAST), mask=i < numel)
+
+
+def launch_softcap_sigmoid(logits, offset, round_sigmoid, width, block=1024):
+    """The loss kernel's fp32 sigmoid of each logit, on its own (the checks' float64 formula takes
+    it: on CUDA it is tanh.approx's, which nothing else computes)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    logits = logits.contiguous()
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    _sigmoid_kernel[(triton.cdiv(logits.numel(), block),)](
+        logits, out, logits.numel(), offset, 1 / width, ROUND=round_sigmoid,
+        FAST=not interpreted, BLOCK=block)
+    return out
 
 
 def loss_programs(logits):
@@ -358,7 +393,8 @@ def launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_si
     as scale * sigmoid((logits + offset) / width); `programs`: how many (loss_programs by
     default)."""
     _check_rows("softcap_loss", logits)
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpreted:
         import train_gpt
 
         train_gpt._squeeze_interpreter_loop_bounds()
@@ -372,7 +408,8 @@ def launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_si
         logits, targets, weights.float(), targets if masks is None else masks.contiguous(),
         announced, terms, grad.view(torch.uint8), n, vocab, logits.stride(0), offset, scale,
         1 / width, inv_grad_s, K=horizons,
-        HAS_MASKS=masks is not None, ROUND=round_sigmoid, BLOCK=block, num_warps=warps)
+        HAS_MASKS=masks is not None, ROUND=round_sigmoid, FAST=not interpreted, BLOCK=block,
+        num_warps=warps)
     return terms.sum(dim=1), grad
 
 

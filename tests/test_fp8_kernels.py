@@ -116,22 +116,23 @@ LOSS_ROWS, VOCAB, LOSS_TILE = 24, 300, (128, 4)  # 3 column tiles a row, the las
 
 
 def _sigmoid_spread(logits, softcap, s):
-    """How far the kernel's fp32 sigmoid may be from torch's s (float64 of its fp32 values):
-    (8u + 5u (1 - s)|a|) s, a = (x + offset) / width (_float64_loss's model)."""
+    """How far the kernel's fp32 sigmoid (under the interpreter) may be from torch's s (float64 of
+    its fp32 values): (4u + 5u (1 - s)|a|) s + 5u, a = (x + offset) / width (_float64_loss's
+    model)."""
     a = (logits.double() + softcap.offset) / tg.SOFTCAP_WIDTH
-    return (8 * U + 5 * U * (1 - s) * a.abs()) * s
+    return (4 * U + 5 * U * (1 - s) * a.abs()) * s + 5 * U
 
 
 def _unambiguous_logits(rows, seed, softcap):
     """Random bf16 logits, each nudged (to the next bf16 value) until its fp32 sigmoid is farther
     from a bf16 rounding midpoint than the two paths' sigmoids may be apart: there, round_sigmoid's
-    bf16 s could differ between the kernel and torch by a whole bf16 step (one in ~8,000
+    bf16 s could differ between the kernel and torch by a whole bf16 step (~5e-6 of these
     entries)."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, VOCAB, generator=g) * 8).bfloat16()
     for _ in range(20):
         raw = tg.training_sigmoid(logits, softcap._replace(round_sigmoid=False), 0, rows).double()
-        step = 2.0 ** (torch.floor(torch.log2(raw)) - 8)  # a bf16 step at s
+        step = 2.0 ** (torch.floor(torch.log2(raw)) - 7)  # a bf16 step at s (8 bits)
         near = ((raw / step) % 1 - 0.5).abs() * step < _sigmoid_spread(logits, softcap, raw)
         if not near.any():
             return logits
@@ -145,9 +146,11 @@ def _float64_loss(logits, targets, weights, masks, softcap, announced, grad_s):
     s (the one rounded value both paths share), with each fp32 path's error bound (one path's;
     u = 2^-24, n rows, V columns):
     - z = scale s: u|z| + scale |ds|, where an unrounded s (fp32 sigmoid) differs from torch's by
-      ds = (8u + 5u (1 - s)|a|) s (_sigmoid_spread), a = (x + offset) / width: the argument's
+      ds = (4u + 5u (1 - s)|a|) s + 5u (_sigmoid_spread), a = (x + offset) / width: the argument's
       roundings (torch: add, divide; the kernel: add, fp32(1 / width), multiply) through the
-      sigmoid's slope s (1 - s), and each path's exp, add and reciprocal (within 4u each);
+      sigmoid's slope s (1 - s); torch's exp, add and reciprocal (within 4u s); the interpreted
+      kernel's 0.5 + 0.5 (1 - 2 / (exp(a) + 1)) (within 5u: 4u (1 - s) of the quotient's three
+      roundings, u / 2 of the difference's, u s of the sum's);
     - lse: max |dz| + (V + 4) u + 2u |lse| (the sum of V exps, log);
     - p = exp(z - lse): relative |dz| + |dlse| + u |z - lse| + 2u;
     - g = factor dz s (1 - s): |factor| (|p count| (dp + 2u) + 2u |dz|) s (1 - s)
@@ -252,6 +255,24 @@ def test_softcap_loss_kernel_matches_the_torch_path(horizons, masked, round_sigm
         assert (values == tg.E5M2_MAX).any() and ((values > 0) & (values < 2.0 ** -14)).any()
 
 
+@pytest.mark.parametrize("round_sigmoid", [False, True], ids=["fp32", "bf16"])
+def test_the_loss_kernels_sigmoid_is_torchs_within_its_error_model(round_sigmoid):
+    """launch_softcap_sigmoid (the loss kernel's _softcap_sigmoid on its own, interpreted: 0.5 +
+    0.5 (1 - 2 / (exp(a) + 1))) against training_sigmoid: fp32 within _sigmoid_spread, bf16 equal
+    on logits off the midpoints (the kernel's argument made 1e-5 too large fails both)."""
+    kernels = tg.load_companion("fp8_kernels.py")
+    softcap = tg.Softcap(30.0, 1.5, round_sigmoid)
+    logits = _unambiguous_logits(LOSS_ROWS, 5, softcap)
+    got = kernels.launch_softcap_sigmoid(logits, softcap.offset, round_sigmoid,
+                                         tg.SOFTCAP_WIDTH).double()
+    want = tg.training_sigmoid(logits, softcap, 0, LOSS_ROWS).double()
+    if round_sigmoid:
+        assert torch.equal(got, want)
+    else:
+        assert ((got - want).abs() <= _sigmoid_spread(logits, softcap, want)).all()
+        assert (got - want).abs().max() > 0  # the two paths round differently: the model is used
+
+
 def test_the_loss_check_catches_a_wrong_scale():
     """The checks above can fail: the torch path with its softcap scale off by 2^-7 is caught."""
     softcap = tg.Softcap(30.0, 1.5, True)
@@ -279,15 +300,17 @@ def test_the_loss_ops_fake_implementation_matches():
 
 def test_fp8_softcap_loss_calls_the_op_with_its_arguments():
     """softcap_cross_entropy(fused=True) (Backend.fused) against the torch path, forward and
-    backward, with MTP weights, the softcap's offset and bf16 sigmoid: the op's values are checked
-    above, this checks its wiring (a swapped scale and offset, a lost horizon or gradient scale
-    move the loss by far more than fp32 rounding: the bound is 64 ulps of the sum)."""
+    backward, with MTP weights and the softcap's offset: the op's values are checked above, this
+    checks its wiring (a swapped scale and offset, a lost horizon or gradient scale move the loss
+    by far more than fp32 rounding: the bound is 64 ulps of the sum). The sigmoid is not rounded to
+    bf16 here: the logits are the head's, not _unambiguous_logits, and a bf16 s one step apart
+    between the paths at a target moves the sum by up to scale 2^-8."""
     tg.load_companion("fp8_kernels.py")
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(LOSS_ROWS, D, generator=g) * 2).bfloat16()
     w = torch.randn(VOCAB, D, generator=g) * 0.3
     targets = torch.randint(0, VOCAB, (LOSS_ROWS,), generator=g)
-    scales, softcap = tg.head_fp8_scales((40.0, 1.5, 0.05)), tg.Softcap(23.0, 5.0, True)
+    scales, softcap = tg.head_fp8_scales((40.0, 1.5, 0.05)), tg.Softcap(23.0, 5.0, False)
     results = []
     for fused in (True, False):
         xr = x.clone().requires_grad_()

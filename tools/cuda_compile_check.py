@@ -993,8 +993,8 @@ class RecordRun:
         }, self.tg.SYM_CONFIGS
 
     def fused_launches(self):
-        """fp8_kernels.py's Triton launchers (the fused FP8 MLP's two, the fused loss's) with meta
-        arguments at the record's shapes: {name: (launcher, arguments)}."""
+        """fp8_kernels.py's Triton launchers (the fused FP8 MLP's two, the fused loss's and its
+        sigmoid's) with meta arguments at the record's shapes: {name: (launcher, arguments)}."""
         kernels = self.tg.load_companion("fp8_kernels.py")
         dim, hidden = self.hp.model_dim, 4 * self.hp.model_dim
 
@@ -1020,6 +1020,11 @@ class RecordRun:
                 (meta(tokens, vocab), meta(tokens, dtype=torch.int64),
                  meta(self.tg.MTP_HORIZON, dtype=torch.float32), None, *softcap,
                  self.tg.SOFTCAP_WIDTH, meta((), dtype=torch.float32), grad_s),
+            ),
+            "FP8 loss's sigmoid (the smoke's check)": (
+                kernels.launch_softcap_sigmoid,
+                (meta(tokens, vocab), softcap.offset, softcap.round_sigmoid,
+                 self.tg.SOFTCAP_WIDTH),
             ),
         }
 

@@ -165,10 +165,10 @@ if fused_kernels():
 # fp8_kernels.py's loss kernel (speedrun::softcap_loss), a kernel of its own: it reads the bf16
 # logits, the targets, weights and the announced gradient and writes the e5m2 gradient and the loss
 # sums (its (K, n) per-row terms and their sum, 12 bytes a row against 3 V, are left out). Its
-# second pass over a row reads L2, not HBM. Special functions per logit: each pass's sigmoid (an exp
-# and a reciprocal; its argument multiplied by 1 / width, not divided), the first's exp of the sum,
-# the second's exp of p
-FUSED_LOSS_SFU_PER_LOGIT = 6
+# second pass over a row reads L2, not HBM. Special functions per logit: each pass's sigmoid (one
+# tanh.approx, as record #89's; its argument multiplied by 1 / width, not divided), the first's exp
+# of the sum, the second's exp of p
+FUSED_LOSS_SFU_PER_LOGIT = 4
 
 
 # ---- the fused attention stand-in: FlexAttention's visible blocks, FusedAttentionFootprint's bytes
