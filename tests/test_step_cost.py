@@ -564,6 +564,14 @@ def test_attention_backends_rank_as_their_sources():
         assert 1 > fa3[direction] > flash[direction] > triton[direction] > 0
 
 
+def test_every_attention_choice_has_a_share_and_says_itself():
+    """--attention's choices for ours each have an efficiency, and the line saying how ours is
+    priced names the one used: fa3 as a what-if."""
+    assert set(sc.ATTENTION_NAMES) <= set(sc.ATTENTION_BACKENDS)
+    assert "what-if" in sc.pricing_line(None, "fa3")
+    assert "Triton backend (what runs)" in sc.pricing_line(None)
+
+
 @pytest.mark.parametrize("rows, tiles", [(4096, 96), (49152, 1152), (8192, 192)])
 def test_gemm_waves_over_132_sms(rows, tiles):
     """The head's grad_x chunk (rows, 50304) @ (50304, 768) has (rows / 256) x (768 / 128) output tiles of

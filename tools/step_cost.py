@@ -1019,18 +1019,26 @@ def train_seconds(costs):
     return sum(c.steps * c.step_seconds for c in costs)
 
 
-def pricing_line(kernels):
-    """Which kernels price ours: the inventory's, or ideal fusion when none is given."""
+# --attention's backends for ours, as the first line of ours says them
+ATTENTION_NAMES = {"flex_triton": "FlexAttention's Triton backend (what runs)",
+                   "flex_flash": "FlexAttention's FLASH backend (--flex_backend flash)",
+                   "fa3": "FA3's share, a what-if (no backend here has it)"}
+
+
+def pricing_line(kernels, attention="flex_triton"):
+    """Which kernels price ours: the inventory's, or ideal fusion when none is given; and its
+    attention."""
+    priced = f"attention at {ATTENTION_NAMES[attention]}"
     if kernels is None:
-        return "ours: ideal fusion (no --kernels inventory)"
+        return f"ours: ideal fusion (no --kernels inventory); {priced}"
     return (f"ours: forward and backward by {kernels.describe()}; the optimizer step and stages of "
-            "other sizes by ideal fusion")
+            f"other sizes by ideal fusion; {priced}")
 
 
 def report(hp, world_size, gpu, top=12, attention="flex_triton", kernels=None):
     peaks = GPU_PEAKS[gpu]
     costs, _ = stage_costs(hp, world_size, peaks, attention=attention, kernels=kernels)
-    lines = header(world_size, peaks) + [pricing_line(kernels)]
+    lines = header(world_size, peaks) + [pricing_line(kernels, attention)]
     for c in costs:
         matmul = sum(c.flops[k] for k in CLASSES if k.startswith("matmul"))
         lines.append(f"stage {c.stage + 1} ({c.steps} steps, {c.tokens:,} tokens/step):")
@@ -1084,7 +1092,7 @@ def side_by_side(hp, world_size, gpu, log_path, top=12, attention="flex_triton",
     ours, _ = stage_costs(hp, world_size, peaks, attention=attention, kernels=kernels)
     reference, _ = reference_stage_costs(log_path, world_size, peaks)
     lines = comparison(ours, reference, world_size, peaks, os.path.basename(log_path), top)
-    return lines[:3] + [pricing_line(kernels)] + lines[3:]
+    return lines[:3] + [pricing_line(kernels, attention)] + lines[3:]
 
 
 def comparison(ours, reference, world_size, peaks, log_name, top=12):
@@ -1150,8 +1158,10 @@ def parse(argv):
     parser.add_argument("--gpu", choices=sorted(GPU_PEAKS), default="h100", help="whose peaks (default h100)")
     parser.add_argument("--top", type=non_negative, default=12,
                         help="list this many of stage 3's largest items or differences (default 12)")
-    parser.add_argument("--attention", choices=["flex_triton", "flex_flash"], default="flex_triton",
-                        help="FlexAttention's backend ours is priced at (default flex_triton, what runs)")
+    parser.add_argument("--attention", choices=list(ATTENTION_NAMES), default="flex_triton",
+                        help="the attention kernels ours is priced at: FlexAttention's backends (default "
+                             "flex_triton, what runs), or fa3, a what-if: #89's FlashAttention-3 share, "
+                             "which no backend here has")
     parser.add_argument("--reference", metavar="LOG", default=None,
                         help="a modded-nanogpt record log: trace its own step too and print both side by side")
     parser.add_argument("--kernels", metavar="FILE", default=None,
