@@ -266,7 +266,7 @@ def _e5m2_bits(x):
 @triton.jit
 def _tanh(y, FAST: tl.constexpr):
     """tanh(y): with FAST (CUDA), sm_75's tanh.approx.f32, one special function (record #89's
-    `__tanhf`; relative error at most 2^-10.987, PTX ISA); else (Triton's interpreter, which runs no
+    `__tanhf`; relative error at most 2^-11, PTX ISA); else (Triton's interpreter, which runs no
     PTX) 1 - 2 / (exp(2y) + 1), within a few fp32 roundings."""
     if FAST:
         return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y],

@@ -956,12 +956,12 @@ def e5m2_steps_apart(a, b):
 
 
 # tanh.approx.f32's largest relative error (PTX ISA), the loss kernel's tanh on CUDA
-TANH_APPROX_ERROR = 2.0 ** -10.987
+TANH_APPROX_ERROR = 2.0 ** -11
 
 
 def kernel_sigmoid_bound(logits, softcap):
     """How far the loss kernel's s may be from the exact sigmoid sigma, a = (x + offset) / width:
-    0.5 |2 sigma - 1| 2^-10.987 (its 0.5 + 0.5 tanh(a / 2), tanh.approx.f32 on CUDA) + 5u |a|
+    0.5 |2 sigma - 1| 2^-11 (its 0.5 + 0.5 tanh(a / 2), tanh.approx.f32 on CUDA) + 5u |a|
     sigma (1 - sigma) (the argument's roundings) + 8u, and half a bf16 step of s with round_sigmoid
     (at most 2^-8 s), u = 2^-24."""
     a = (logits.double() + softcap.offset) / tg.SOFTCAP_WIDTH
