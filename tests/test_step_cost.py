@@ -674,11 +674,11 @@ def test_loss_kernel_occupancy(sfu_over_memory, expected):
 
 
 def inventory(tmp_path, tokens=512, training=(("triton_poi_fused_add_0", 100, 50, 11),), helpers=(),
-              suffix=".json"):
+              suffix=".json", step="training step"):
     """A kernel inventory as tools/cuda_compile_check.py writes it: the training step's kernels
     (an attention template among them) and the FP8 head helpers' ((graph, kernel, read, written,
-    calls))."""
-    graph = f"training step at {tokens:,} tokens (step 5, forward+backward)"
+    calls)); `step`: the training graph's name (--race: 'race #89 training step')."""
+    graph = f"{step} at {tokens:,} tokens (step 5, forward+backward)"
     rows = [dict(graph=graph, kernel=name, read_bytes=read, written_bytes=written, launches=calls)
             for name, read, written, calls in training]
     rows.append(dict(graph=graph, kernel="triton_tem_fused_flex_attention_1", read_bytes=7,
@@ -740,6 +740,41 @@ def test_inventory_reads_the_training_step_and_the_fp8_helpers(tmp_path, suffix)
     ledger.calls = [(0, "mm_fp8"), (1, "mm_fp8"), (len(ledger.ops), "mm_fp8_backward")]
     assert [name for name, *_ in kernels.of_piece(ledger, ops)] == \
         ["triton_poi_fused_add_0"] + 2 * ["triton_poi_fused_div_0"]
+
+
+def test_the_race_inventory_gives_89s_inductor_kernels_not_its_own(tmp_path):
+    """--reference_kernels reads the race's #89 training step (cuda_compile_check.py --race): its
+    Inductor kernels, not its user-defined Triton kernels (traced stand-ins price those) nor its
+    attention templates; our graph's name is not its."""
+    training = (("triton_poi_fused_add_0", 100, 50, 11), ("linear_relu_square_kernel", 9, 9, 11))
+    path = inventory(tmp_path, 49152, training=training, step="race #89 training step")
+    kernels = sc.read_inventory(path, sc.RACE_GRAPH)
+    assert (kernels.tokens, kernels.training, kernels.templates) == \
+        (49152, [("triton_poi_fused_add_0", 150, 11)], 1)
+    with pytest.raises(sc.InventoryError, match="no kernels of the training step"):
+        sc.read_inventory(path)
+
+
+def test_89s_stand_ins_are_kernels_of_their_own():
+    """A stand-in of #89's Triton kernels keeps its traced price beside Inductor's kernels, as our
+    own ops do: --reference_kernels replaces only the work Inductor compiles."""
+    ops, _ = traced_ops(lambda x, y: rs.transpose_copy(x, y), ((64, 32), BF16), ((32, 64), BF16))
+    (op,) = [op for op in ops if op.name == "transpose_copy"]
+    assert op.own_kernel and not sc.compiled_work(op)
+    ops, _ = traced_ops(lambda a: (a + 1) * 2, ((64, 32), F32))
+    assert all(sc.compiled_work(op) for op in ops)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--reference_kernels", "inv.json"], "give --reference LOG too"),
+    (["--reference", str(REFERENCE_LOG), "--reference_kernels", "/nonexistent/inv.json"],
+     "no such file; make one with"),
+])
+def test_reference_kernels_without_a_reference_or_a_file_is_one_line(capsys, argv, says):
+    if not REFERENCE_LOG.is_file() and "--reference" in argv:
+        pytest.skip("the reference log (../shared/reference/) is absent")
+    err = one_line_error(capsys, argv)
+    assert err.startswith("step_cost.py: error: --reference_kernels ") and says in err, err
 
 
 def test_a_stage_of_another_size_says_it_is_priced_by_ideal_fusion(tmp_path):

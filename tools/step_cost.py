@@ -1,7 +1,7 @@
 """Step-cost ledger: where the time of one training step goes on a GPU, predicted without one.
 
     python tools/step_cost.py [train_gpt flags] [--world_size N] [--gpu h100|h200] [--reference LOG]
-                              [--kernels INVENTORY]
+                              [--kernels INVENTORY] [--reference_kernels RACE_INVENTORY]
 
 For each stage of the run it traces one training step of rank 0 of N ranks (the forward and backward of
 every micro-step piece, then the optimizer step) on fake tensors, the way train_gpt.py's memory plan does:
@@ -18,7 +18,9 @@ tracer). Ideal fusion: a tensor made by a pointwise/reduction op, read only by s
 same phase (forward, backward, optimizer) never reaches memory; the ops joined by such tensors are one kernel.
 With --kernels (the CUDA compile check's kernel inventory) ours' forward and backward are priced
 by the kernels Inductor really generated instead: their calls for the launch floor, their bytes
-read and written (our own kernels' custom ops, which Inductor only calls, stay as traced).
+read and written (our own kernels' custom ops, which Inductor only calls, stay as traced); with
+--reference_kernels (the compile check's --race inventory) the reference's too (its own Triton and
+NVRTC kernels' stand-ins stay as traced).
 Each op costs its roofline time, max(FLOPs / peak of its class, bytes / HBM bandwidth), with what a
 roofline misses (attention at its backend's efficiency, GEMM waves over the SMs, a looped reduction's
 second pass, special functions, a hand-written kernel's occupancy), and each kernel at least the
@@ -267,8 +269,8 @@ class Op:
     sent: float = 0.0  # bytes this rank sends (collectives)
     shape: str = ""  # dtype and shape of its largest output, to tell ops of one name apart
     fusable: bool = False  # a pointwise/reduction op a compiler may fuse with its neighbours
-    # a custom op of ours (speedrun::) with its own kernel: not in Inductor's inventory (--kernels),
-    # so priced as traced there too
+    # a kernel of its own: a custom op of ours (speedrun::) or a stand-in of one of #89's kernels;
+    # not Inductor's (--kernels, --reference_kernels), so priced as traced there too
     own_kernel: bool = False
     tiles: int = 0  # a GEMM's output tiles (GEMM_TILE), for its waves over the SMs
     efficiency: float = 1.0  # the share of its class's peak it reaches (attention: by backend)
@@ -372,7 +374,7 @@ class Ledger(LiveMemory):
         fusable = (kind == "pointwise/reduction" and name not in UNFUSABLE
                    and func.namespace not in ("step_cost", "speedrun", reference_step.NAMESPACE))
         op = Op(name, kind, self.phase, int(flops), reads, writes, shape=shape, fusable=fusable,
-                own_kernel=func.namespace == "speedrun",
+                own_kernel=func.namespace in ("speedrun", reference_step.NAMESPACE),
                 numel=0 if largest is None else largest.numel(), index=len(self.ops))
         if kind == "collectives":
             op.sent = self._sent_bytes(name, tensors_in)
@@ -506,12 +508,18 @@ class Ledger(LiveMemory):
 # ---- Inductor's real kernels: the CUDA compile check's kernel inventory (--kernels FILE)
 
 TRAINING_GRAPH = re.compile(r"training step at ([\d,]+) tokens")
+# #89's, in the compile check's --race inventory (FlexAttention in place of its FlashAttention 3)
+RACE_GRAPH = re.compile(r"race #89 training step at ([\d,]+) tokens")
+INDUCTOR_PREFIX = "triton_"  # Inductor's kernel names; a user-defined Triton kernel keeps its own
 HELPER_GRAPHS = {"mm_fp8": "FP8 head forward helper", "mm_fp8_backward": "FP8 head backward helper"}
 INVENTORY_COLUMNS = ("graph", "kernel", "read_bytes", "written_bytes", "launches")
 TEMPLATE_PREFIX = "triton_tem_"  # FlexAttention's templates: the ledger prices attention by backend
 COMPILED = "pointwise/reduction"  # the class whose work Inductor's Triton kernels do
 MAKE_INVENTORY = ("make one with ~/.cache/speedrun/venv-torch-2.11/bin/python "
                   "tools/cuda_compile_check.py --only training head --inventory FILE.json")
+MAKE_RACE_INVENTORY = ("make one with ~/.cache/speedrun/venv-torch-2.11/bin/python "
+                       "tools/cuda_compile_check.py --race LOG --only 'training step' "
+                       "--inventory FILE.json")
 
 
 class InventoryError(ValueError):
@@ -569,9 +577,11 @@ def inventory_rows(path):
     return data["kernels"]
 
 
-def read_inventory(path):
-    """RealKernels of a kernel inventory; InventoryError when it has no training step's kernels or
-    a row without a graph, a kernel and whole numbers of bytes read and written."""
+def read_inventory(path, graph_name=TRAINING_GRAPH):
+    """RealKernels of a kernel inventory, its training step's graph named by `graph_name` (ours, or
+    RACE_GRAPH: #89's); InventoryError when it has no training step's kernels or a row without a
+    graph, a kernel and whole numbers of bytes read and written. A user-defined Triton kernel
+    (#89's own, traced into its graph) is left out: the ledger prices it as traced, as ours."""
     training, helpers, templates, tokens = [], collections.defaultdict(list), 0, set()
     for number, row in enumerate(inventory_rows(path), 1):
         missing = [c for c in INVENTORY_COLUMNS if not isinstance(row, dict) or c not in row]
@@ -584,19 +594,18 @@ def read_inventory(path):
         except (TypeError, ValueError):
             raise InventoryError(f"kernel row {number} ({name}): read_bytes, written_bytes and "
                                  "launches are not whole numbers") from None
-        match = TRAINING_GRAPH.match(graph)
+        match = graph_name.match(graph)
         if match:
             tokens.add(int(match.group(1).replace(",", "")))
             if name.startswith(TEMPLATE_PREFIX):
                 templates += 1
-            else:
+            elif name.startswith(INDUCTOR_PREFIX):
                 training.append(kernel)
         for op, helper in HELPER_GRAPHS.items():
             if graph.startswith(helper):
                 helpers[op].append(kernel)
     if not training:
-        raise InventoryError("no kernels of the training step (a graph 'training step at N "
-                             "tokens')")
+        raise InventoryError(f"no kernels of the training step (a graph '{graph_name.pattern}')")
     if len(tokens) > 1:
         raise InventoryError(f"training steps at several sizes ({sorted(tokens)} tokens)")
     return RealKernels(str(path), tokens.pop(), training, dict(helpers), templates)
@@ -956,12 +965,13 @@ def fake_group(world_size):
 
 
 def reference_stage_costs(log_path, world_size, peaks, stages=range(4), tokens_per_rank=None,
-                          micro_steps=None, sizes=None):
+                          micro_steps=None, sizes=None, kernels=None):
     """StageCost of each of `stages` of the reference's own step (tools/reference_step.py), traced as ours is:
     rank 0 of world_size on fake tensors, each stage's even step (no Adam) and odd step (Adam, its gradients
     summed over both steps) weighed by their counts. tokens_per_rank replaces the stages' batches
     (tests), micro_steps the micro-steps per step and sizes the model's sizes (Reference's;
-    tools/gpu_race.py)."""
+    tools/gpu_race.py). With `kernels` (RealKernels of the compile check's --race inventory), a
+    stage of its tokens per micro-step has its forward and backward priced by them, as ours."""
     fake, ledger = FakeTensorMode(), Ledger(world_size)
     costs = []
     with fake_group(world_size), fake, warnings.catch_warnings():
@@ -981,6 +991,7 @@ def reference_stage_costs(log_path, world_size, peaks, stages=range(4), tokens_p
                 manager.optimizer.copy_lm_state_to_embed()  # the untie, once, untraced
             even, odd = reference.traced_steps(manager, first, following)
             odd_steps = sum(step % 2 for step in range(first, following))
+            pricing = piece_pricing(kernels, tokens)
             totals = None
             for step, share in ((even, following - first - odd_steps), (odd, odd_steps)):
                 start = len(ledger.ops)
@@ -988,8 +999,13 @@ def reference_stage_costs(log_path, world_size, peaks, stages=range(4), tokens_p
                     reference.step(model, manager, step, tokens, ledger)
                 except NameError as e:
                     raise reference_step.LogError(f"the reference calls {e.name}, which has no stand-in") from e
-                totals = cost_of(ledger, ledger.ops[start:], peaks, share / (following - first), totals)
-            costs.append(StageCost(stage, following - first, tokens * world_size * accum, **totals))
+                piece = ledger.ops[start:]
+                real = kernels.of_piece(ledger, piece) if pricing.startswith("Inductor") else None
+                if real is not None:  # one run of the forward and backward per micro-step
+                    real = [(name, size, calls * accum) for name, size, calls in real]
+                totals = cost_of(ledger, piece, peaks, share / (following - first), totals, real)
+            costs.append(StageCost(stage, following - first, tokens * world_size * accum, **totals,
+                                   pricing=pricing))
     return costs, ledger
 
 
@@ -1033,6 +1049,15 @@ def pricing_line(kernels, attention="flex_triton"):
         return f"ours: ideal fusion (no --kernels inventory); {priced}"
     return (f"ours: forward and backward by {kernels.describe()}; the optimizer step and stages of "
             f"other sizes by ideal fusion; {priced}")
+
+
+def reference_pricing_line(kernels):
+    """Which kernels price the reference's forward and backward: ideal fusion, or the race's."""
+    if kernels is None:
+        return "reference: ideal fusion (no --reference_kernels inventory)"
+    return (f"reference: forward and backward by {kernels.describe()} (the race's #89 step, "
+            "FlexAttention for its FlashAttention 3: the block mask's kernels are counted, which "
+            "FA3 does not run); the optimizer step and stages of other sizes by ideal fusion")
 
 
 def report(hp, world_size, gpu, top=12, attention="flex_triton", kernels=None):
@@ -1087,12 +1112,14 @@ def differences(ours, reference, top):
     return sorted(rows, key=lambda row: -abs(row[0]))[:top]
 
 
-def side_by_side(hp, world_size, gpu, log_path, top=12, attention="flex_triton", kernels=None):
+def side_by_side(hp, world_size, gpu, log_path, top=12, attention="flex_triton", kernels=None,
+                 reference_kernels=None):
     peaks = GPU_PEAKS[gpu]
     ours, _ = stage_costs(hp, world_size, peaks, attention=attention, kernels=kernels)
-    reference, _ = reference_stage_costs(log_path, world_size, peaks)
+    reference, _ = reference_stage_costs(log_path, world_size, peaks, kernels=reference_kernels)
     lines = comparison(ours, reference, world_size, peaks, os.path.basename(log_path), top)
-    return lines[:3] + [pricing_line(kernels, attention)] + lines[3:]
+    return lines[:3] + [pricing_line(kernels, attention)] + lines[3:4] \
+        + [reference_pricing_line(reference_kernels)] + lines[4:]
 
 
 def comparison(ours, reference, world_size, peaks, log_name, top=12):
@@ -1168,6 +1195,10 @@ def parse(argv):
                         help="the CUDA compile check's kernel inventory "
                              "(tools/cuda_compile_check.py --inventory FILE): price ours by "
                              "Inductor's real kernels, not ideal fusion")
+    parser.add_argument("--reference_kernels", metavar="FILE", default=None,
+                        help="with --reference: the compile check's inventory of #89's race "
+                             "(tools/cuda_compile_check.py --race LOG --inventory FILE): price the "
+                             "reference by Inductor's real kernels too")
     args, rest = parser.parse_known_args(argv)
     if args.world_size is None:
         args.world_size = default_world_size(parser)
@@ -1187,6 +1218,15 @@ def parse(argv):
             args.kernels = read_inventory(args.kernels)
         except InventoryError as e:
             parser.error(f"--kernels {args.kernels}: {e}; {MAKE_INVENTORY}")
+    if args.reference_kernels is not None:
+        if args.reference is None:
+            parser.error(f"--reference_kernels {args.reference_kernels}: it prices the reference; "
+                         "give --reference LOG too")
+        try:
+            args.reference_kernels = read_inventory(args.reference_kernels, RACE_GRAPH)
+        except InventoryError as e:
+            parser.error(f"--reference_kernels {args.reference_kernels}: {e}; "
+                         f"{MAKE_RACE_INVENTORY}")
     trainer = tg.parser_for(rest, prog=parser.prog)
     try:
         hp = tg.hyperparameters_from(trainer.parse_args(rest))
@@ -1206,7 +1246,7 @@ def main(argv=None):
             lines = report(hp, args.world_size, args.gpu, args.top, args.attention, args.kernels)
         else:
             lines = side_by_side(hp, args.world_size, args.gpu, args.reference, args.top,
-                                 args.attention, args.kernels)
+                                 args.attention, args.kernels, args.reference_kernels)
     except reference_step.LogError as e:
         print(f"step_cost.py: error: --reference {args.reference}: {e}", file=sys.stderr)
         sys.exit(2)
