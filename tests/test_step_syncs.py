@@ -174,10 +174,12 @@ def test_gpu_smoke_script_dry_run():
 
 @pytest.mark.slow
 def test_gpu_smoke_deadline_skips_what_would_end_past_it():
-    """--deadline 20: a check whose budget (with the record run's phases it needs) would end past 20 s from
-    the process start is skipped with a SKIP ... (deadline) line, the rest run; exit 0, and the last lines
-    say how to rerun the skipped ones and count every check."""
-    result = run_smoke("--deadline", "20")
+    """--deadline 8: a check whose budget (with the record run's phases it needs that have not run) would
+    end past 8 s from the process start is skipped with a SKIP ... (deadline) line, the rest run; exit 0,
+    and the last lines say how to rerun the skipped ones and count every check. (At 20 s the outcome
+    depended on the machine: on idle cores the phases ran in time and the timed loop's checks fit.)"""
+    deadline = 8
+    result = run_smoke("--deadline", str(deadline))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     lines = result.stdout.splitlines()
     found = statuses(lines)
@@ -188,10 +190,11 @@ def test_gpu_smoke_deadline_skips_what_would_end_past_it():
         m = DEADLINE_LINE.match(line)
         if m:
             # (each figure is printed rounded to a whole second: the sum may be 1 s off)
-            assert int(m[2]) + int(m[3]) + 1 > int(m[4]) == 20, line
-    # the timed loop's checks need 8 + 8 + 6 s of the record run's phases on top of their own: never in 20 s
+            assert int(m[2]) + int(m[3]) + 1 > int(m[4]) == deadline, line
+    # the record run's first phase alone has a CPU budget of 8 s, so it is late from any start, and so
+    # is every check that needs it (the timed loop's: 8 + 8 + 6 s)
     assert {"compiles_in_timed_loop", "host_syncs_per_step", "compiled_vs_eager"} <= set(late), found
-    assert plan.budget_s(plan.check("compiles_in_timed_loop")) > 20
+    assert plan.budget_s(plan.check("train_steps_move_every_parameter")) >= deadline
     assert not [n for n, status in found.items()
                 if status == "SKIP" and not plan.check(n).skip_reason(torch.device("cpu"))]
     assert f"--only {','.join(late)}" in lines[-3]
