@@ -496,6 +496,28 @@ def test_reference_step_at_reduced_size():
         assert cost.kernels > 100 and cost.launch > 0 and cost.latency > 0
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not REFERENCE_LOG.is_file(), reason="the reference log (../shared/reference/) is absent")
+def test_reference_stage_of_the_race_inventorys_size_is_priced_by_its_kernels():
+    """--reference_kernels on the reference's step at 2,048 tokens per rank, stage 3 of 8 ranks (one
+    micro-step): at another size it stays ideal fusion and says why; at its size the forward's and
+    backward's pointwise work is the inventory's one kernel, 3 calls of 1 MB a micro-step; #89's
+    stand-ins (its own kernels) keep their price."""
+    T = 2048
+    elsewhere = sc.RealKernels("inv89.json", 1, [("triton_poi_fused_0", 10**6, 3)], {}, 0)
+    (ideal,), _ = sc.reference_stage_costs(REFERENCE_LOG, 8, H100, stages=[2], tokens_per_rank=T,
+                                           kernels=elsewhere)
+    assert ideal.pricing.startswith("ideal fusion: the inventory's training step has 1 tokens")
+    (real,), _ = sc.reference_stage_costs(REFERENCE_LOG, 8, H100, stages=[2], tokens_per_rank=T,
+                                          kernels=dataclasses.replace(elsewhere, tokens=T))
+    assert real.pricing == "Inductor's kernels"
+    compiled = sum(s for (phase, *_), s in real.top.items() if phase == "fwd+bwd")
+    assert compiled == pytest.approx(3 * max(10**6 / H100["hbm"], H100["launch"]), rel=1e-9)
+    own = {name for (phase, kind, name, _), s in real.top.items() if phase != "fwd+bwd"}
+    assert {"ce_fwd_bwd", "transpose_copy"} <= own
+    assert not any(sc.compiled_work(op) for op, _ in real.ops if op.name == "ce_fwd_bwd")
+
+
 def test_copy_writes_its_destination_without_reading_it():
     """copy_ into a (strided) destination reads the source and writes the destination once; add_ reads both."""
     ops, ledger = traced_ops(lambda dst, src: (dst.T.copy_(src), dst.add_(src.T)), ((768, 4096), BF16),
