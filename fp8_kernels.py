@@ -146,6 +146,11 @@ def _relu_square_grad_kernel(g_ptr, w_ptr, pre_ptr, out_ptr, M, N, K, s_gm, s_wn
     tl.store(out_ptr + at, _round_bf16(grad_pre).to(tl.bfloat16), mask=inside)
 
 
+def _interpreting():
+    """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1: the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def tile_count(m, n, tile):
     return triton.cdiv(m, tile[0]) * triton.cdiv(n, tile[1])
 
@@ -184,7 +189,7 @@ def launch_relu_square_grad(grad_out, w2, pre, tile=GRAD_TILE):
     _relu_square_grad_kernel[(tile_count(m, n, tile),)](
         grad_out, w2, pre, out, m, n, k, grad_out.stride(0), w2.stride(0), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, GROUP=GROUP_M,
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages)
+        UPCAST=_interpreting(), num_warps=warps, num_stages=stages)
     return out
 
 
@@ -192,7 +197,7 @@ def launch_relu_square_grad(grad_out, w2, pre, tile=GRAD_TILE):
 def interpreter_computes_fp8():
     """Whether Triton's interpreter is on (TRITON_INTERPRET=1) and computes an e4m3 dot as an fp32
     matmul of its values (Triton 3.6's and 3.9's do): the kernels' CPU runs need it."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not _interpreting():
         return False
     import train_gpt
 
@@ -370,12 +375,11 @@ def _sigmoid_kernel(logits_ptr, out_ptr, numel, offset, inv_width, ROUND: tl.con
 def launch_softcap_sigmoid(logits, offset, round_sigmoid, width, block=1024):
     """The loss kernel's fp32 sigmoid of each logit, on its own (the checks' float64 formula takes
     it: on CUDA it is tanh.approx's, which nothing else computes)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     logits = logits.contiguous()
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     _sigmoid_kernel[(triton.cdiv(logits.numel(), block),)](
         logits, out, logits.numel(), offset, 1 / width, ROUND=round_sigmoid,
-        FAST=not interpreted, BLOCK=block)
+        FAST=not _interpreting(), BLOCK=block)
     return out
 
 
@@ -393,8 +397,7 @@ def launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_si
     as scale * sigmoid((logits + offset) / width); `programs`: how many (loss_programs by
     default)."""
     _check_rows("softcap_loss", logits)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if interpreted:
+    if _interpreting():
         import train_gpt
 
         train_gpt._squeeze_interpreter_loop_bounds()
@@ -408,7 +411,7 @@ def launch_softcap_loss(logits, targets, weights, masks, scale, offset, round_si
         logits, targets, weights.float(), targets if masks is None else masks.contiguous(),
         announced, terms, grad.view(torch.uint8), n, vocab, logits.stride(0), offset, scale,
         1 / width, inv_grad_s, K=horizons,
-        HAS_MASKS=masks is not None, ROUND=round_sigmoid, FAST=not interpreted, BLOCK=block,
+        HAS_MASKS=masks is not None, ROUND=round_sigmoid, FAST=not _interpreting(), BLOCK=block,
         num_warps=warps)
     return terms.sum(dim=1), grad
 

@@ -876,11 +876,11 @@ def kernel_order_loss(logits, targets, weights, softcap, grad_total, grad_s, sig
     over the horizons inside the rows, the gradient grad_total (scale / width) / grad_s dz s (1 - s)
     formed unrounded and cast once to e5m2 (saturating). `sigmoid`: a kernel's own s of each logit
     (its float64 values) instead of the exact sigmoid."""
-    s = torch.sigmoid((logits.double() + softcap.offset) / tg.SOFTCAP_WIDTH)
-    if sigmoid is not None:
-        s = sigmoid
-    elif softcap.round_sigmoid:
-        s = s.bfloat16().double()
+    s = sigmoid
+    if s is None:
+        s = torch.sigmoid((logits.double() + softcap.offset) / tg.SOFTCAP_WIDTH)
+        if softcap.round_sigmoid:
+            s = s.bfloat16().double()
     z = softcap.scale * s
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     probs = torch.exp(z - lse)
